@@ -1,0 +1,3 @@
+from p2p_diloco.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,174 @@
+"""An all-or-nothing, bit-identical all-reduce on top of hivemind's butterfly all-reduce.
+
+hivemind's runner can report success when a group member died mid-round: some parts are then averaged over
+everyone, some over the survivors, some left local. Here a reducer that loses a sender before it has received
+all of that sender's parts poisons every part it returns from then on with NaN, and a receiver that misses a
+reducer's results counts the failed elements; either way every survivor sees the round fail and discards it.
+Reducers also return the averaged values rather than differences, so every member ends with the same bits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import multiprocessing as mp
+from collections.abc import AsyncIterator
+
+import torch
+from hivemind.averaging.allreduce import AllReduceRunner
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+
+class ByteCounters:
+    """Payload bytes sent and received by an averager process, readable from the host process."""
+
+    def __init__(self) -> None:
+        self._sent = mp.Value(ctypes.c_double, 0.0)
+        self._received = mp.Value(ctypes.c_double, 0.0)
+
+    def add(self, sent: float = 0.0, received: float = 0.0) -> None:
+        """Count bytes that went out or came in."""
+        with self._sent.get_lock():
+            self._sent.value += sent
+        with self._received.get_lock():
+            self._received.value += received
+
+    def read(self) -> tuple[float, float]:
+        """(bytes sent, bytes received) so far."""
+        return self._sent.value, self._received.value
+
+
+class StrictPartReducer(TensorPartReducer):
+    """A reducer whose results turn to NaN once a sender fails before it has sent every part."""
+
+    poisoned = False
+
+    def on_sender_failed(self, sender_index: int) -> None:
+        """Mark the rest of this reduction as invalid unless the sender had already sent all its parts."""
+        if self.num_parts_received[sender_index] < self.num_parts and not self.finished.is_set():
+            self.poisoned = True
+        super().on_sender_failed(sender_index)
+
+    def check_current_part_finished(self) -> None:
+        """Finish the current part: the weighted mean, or NaN if the round is poisoned."""
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            if self.poisoned or self.denominator <= 0:
+                result = self.accumulator.fill_(float("nan"))
+            else:
+                result = self.accumulator.div_(self.denominator)
+            self.current_part_future.set_result(result)
+            self.reset_accumulators()
+
+
+class StrictAllReduceRunner(AllReduceRunner):
+    """AllReduceRunner that returns averages (not deltas), poisons partial reductions and counts bytes."""
+
+    def __init__(self, *, byte_counters: ByteCounters, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.byte_counters = byte_counters
+        self.tensor_part_reducer = StrictPartReducer(
+            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        )
+        self._compression_type = self.tensor_part_container.compression.compression_type
+
+    @property
+    def failed_size(self) -> int:
+        """Elements whose reducer never answered."""
+        return self.tensor_part_container.failed_size
+
+    def _local_round_trip(self, averaged_part: torch.Tensor) -> torch.Tensor:
+        # Remote members decode the compressed average; the reducer must use the same bits for its own part.
+        if self._compression_type == runtime_pb2.CompressionType.NONE:
+            return averaged_part.clone()
+        return deserialize_torch_tensor(serialize_torch_tensor(averaged_part, self._compression_type))
+
+    async def _communicate_with_peer(self, peer_id: PeerID) -> None:
+        """Send our parts to one reducer and register the averaged parts it returns."""
+        peer_index = self.ordered_peer_ids.index(peer_id)
+        if peer_id == self.peer_id:
+            sender_index = self.sender_peer_ids.index(peer_id)
+            for part_index, tensor_part in enumerate(self.parts_for_local_averaging):
+                averaged_part = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, tensor_part, weight=self.weight
+                )
+                self.tensor_part_container.register_processed_part(
+                    peer_index, part_index, self._local_round_trip(averaged_part)
+                )
+            return
+        try:
+            done_sending = asyncio.Event()
+            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+            if self.should_delay_results(self.peer_id):
+                await done_sending.wait()
+
+            def deserialize(message: averaging_pb2.AveragingData) -> torch.Tensor:
+                if message.code != averaging_pb2.AVERAGED_PART:
+                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+                self.byte_counters.add(received=message.tensor_part.ByteSize())
+                return deserialize_torch_tensor(message.tensor_part)
+
+            part_index = 0
+            async for averaged_part in amap_in_executor(
+                deserialize,
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
+                part_index += 1
+            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
+                raise AllreduceException(
+                    f"peer {peer_id} sent {part_index} parts, expected "
+                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
+                )
+        except BaseException:
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Our parts for one reducer, counted as sent."""
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.byte_counters.add(sent=message.tensor_part.ByteSize())
+            yield message
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As a reducer: add a sender's parts into the average and send back the averaged parts."""
+        part_index = 0
+        loop = asyncio.get_event_loop()
+        try:
+            async for tensor_part, weight, part_compression in amap_in_executor(
+                lambda msg: (
+                    deserialize_torch_tensor(msg.tensor_part),
+                    msg.weight,
+                    msg.tensor_part.compression,
+                ),
+                self._count_received(stream),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                try:
+                    averaged_part = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, tensor_part, weight=weight
+                    )
+                    part_index += 1
+                except BannedException:
+                    break
+                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
+                self.byte_counters.add(sent=serialized.ByteSize())
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    async def _count_received(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData]
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in stream:
+            self.byte_counters.add(received=message.tensor_part.ByteSize())
+            yield message

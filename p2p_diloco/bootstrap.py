@@ -1,0 +1,60 @@
+"""A bootstrap node: a DHT peer that trains nothing and tells newcomers how to join."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import tempfile
+import threading
+from pathlib import Path
+
+from p2p_diloco.network import shutdown_dht, start_dht
+
+logger = logging.getLogger(__name__)
+
+
+def write_lines_atomically(path: str | os.PathLike, lines: list[str]) -> None:
+    """Write lines to a file so that readers never see it half written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=f".{path.name}.") as handle:
+        handle.write("".join(line + "\n" for line in lines))
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(handle.name, path)
+
+
+def run_bootstrap(
+    *,
+    identity: str | None,
+    host_maddrs: list[str],
+    announce_maddrs: list[str],
+    initial_peers: list[str],
+    maddrs_file: str | None,
+    run_id: str,
+    timeout: float,
+) -> None:
+    """Serve the DHT until SIGINT/SIGTERM; print the multiaddrs and the peer command to paste."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    dht = start_dht(
+        initial_peers=initial_peers,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs,
+        identity=identity,
+        timeout=timeout,
+    )
+    try:
+        maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
+        print(f"bootstrap peer id: {dht.peer_id.to_base58()}", flush=True)
+        for maddr in maddrs:
+            print(f"MADDR {maddr}", flush=True)
+        print("Start peers with:", flush=True)
+        print(f"  p2p-diloco peer --initial-peers {' '.join(maddrs)} --run-id {run_id}", flush=True)
+        if maddrs_file:
+            write_lines_atomically(maddrs_file, maddrs)
+        stop.wait()
+    finally:
+        shutdown_dht(dht)

@@ -1,0 +1,226 @@
+"""One configuration tree for a peer: dataclasses with a docstring per field, from TOML and CLI overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration value the user must fix; the message says what."""
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the byte-level decoder-only transformer every island of a run must share."""
+
+    vocab_size: int = 256
+    """Byte-level tokens: always 256 unless you bring your own tokenizer."""
+    seq_len: int = 64
+    """Context length in tokens."""
+    d_model: int = 128
+    """Width of the residual stream."""
+    n_layers: int = 2
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Attention heads per block; must divide d_model."""
+    mlp_ratio: int = 4
+    """Hidden width of the MLP as a multiple of d_model."""
+
+
+@dataclass
+class DataConfig:
+    """Where text comes from and which shard this island trains on."""
+
+    path: str | None = None
+    """A text file or a folder of text files; None uses the built-in corpus (text that ships with Python)."""
+    shard_index: int | None = None
+    """This island's shard of the training text; None picks one from the seed."""
+    num_shards: int = 1
+    """How many equal shards the training text is cut into."""
+    eval_fraction: float = 0.05
+    """Tail of the corpus held out for eval_loss; the same for every island."""
+    eval_batches: int = 4
+    """Batches of the held-out text averaged into eval_loss."""
+    max_bytes: int = 4_000_000
+    """Cap on the corpus size, so that loading stays fast."""
+
+
+@dataclass
+class TrainConfig:
+    """Inner (local AdamW) and outer (Nesterov on pseudo-gradients) optimisation."""
+
+    inner_steps: int = 50
+    """H: local AdamW steps between two outer steps."""
+    outer_steps: int = 20
+    """Stop once the swarm's outer step reaches this many."""
+    batch_size: int = 16
+    """Sequences per inner step."""
+    lr: float = 3e-3
+    """Inner AdamW learning rate."""
+    weight_decay: float = 0.1
+    """Inner AdamW weight decay."""
+    warmup_steps: int = 20
+    """Linear warm-up of the inner learning rate, counted in this island's inner steps."""
+    grad_clip: float = 1.0
+    """Clip the inner gradient norm to this value (0 disables)."""
+    outer_lr: float = 0.7
+    """Outer Nesterov learning rate."""
+    outer_momentum: float = 0.9
+    """Outer Nesterov momentum."""
+    seed: int = 0
+    """Seeds the model initialisation (shared by the run) and this island's batch order."""
+    threads: int = 1
+    """torch intra-op threads per island; keep small when several islands share a machine."""
+
+
+@dataclass
+class NetworkConfig:
+    """How an island finds and talks to the swarm; every timeout is bounded."""
+
+    run_id: str = "p2p-diloco"
+    """Islands with the same run id train the same model together."""
+    initial_peers: list[str] = field(default_factory=list)
+    """Multiaddrs of bootstrap nodes or live peers."""
+    host_maddrs: list[str] = field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"])
+    """Addresses this island listens on."""
+    announce_maddrs: list[str] = field(default_factory=list)
+    """Addresses other peers should dial (behind NAT or a proxy)."""
+    identity: str | None = None
+    """Key file for a stable peer ID, created if missing."""
+    target_group_size: int = 8
+    """Largest averaging group; a full group starts at once, a smaller one after min_matchmaking_time."""
+    min_group_size: int = 2
+    """Smallest averaging group; set it to the swarm size to force every island into every round."""
+    min_matchmaking_time: float = 2.0
+    """Seconds a group leader waits for more islands before averaging starts."""
+    request_timeout: float = 1.0
+    """Seconds to wait for a matchmaking reply; must be below min_matchmaking_time."""
+    averaging_timeout: float = 20.0
+    """Bounded window to find partners; past it the island applies its own pseudo-gradient."""
+    allreduce_timeout: float = 60.0
+    """Seconds an all-reduce may take once a group is formed."""
+    next_chunk_timeout: float = 5.0
+    """A partner silent for this long is dropped and the round discarded."""
+    join_timeout: float = 30.0
+    """Seconds to reach the initial peers before giving up with an error."""
+    state_timeout: float = 60.0
+    """Seconds to download the swarm's state when joining late."""
+    solo: bool = False
+    """Train alone without any network (a baseline to compare the swarm against)."""
+
+
+@dataclass
+class PeerConfig:
+    """Everything one island needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    metrics: str | None = None
+    """JSON-lines file that gets one record per outer step."""
+    checkpoint_dir: str | None = None
+    """Folder for atomic checkpoints of the island's outer state; resumed from on restart."""
+    checkpoint_every: int = 1
+    """Write a checkpoint every this many outer steps."""
+    log_level: str = "INFO"
+    """Logging level of p2p-diloco's own messages."""
+
+
+SECTIONS = ("model", "data", "train", "network")
+
+
+def _coerce(value: Any, target_type: Any, name: str) -> Any:
+    """Convert a TOML/CLI value to the declared field type, or raise ConfigError."""
+    type_text = str(target_type)
+    try:
+        if type_text.startswith("list"):
+            if isinstance(value, str):
+                return [item for item in value.split(",") if item]
+            return list(value)
+        if value is None:
+            return None
+        if "int" in type_text and "float" not in type_text and not isinstance(value, bool):
+            return int(value)
+        if "float" in type_text:
+            return float(value)
+        if "bool" in type_text:
+            return value if isinstance(value, bool) else str(value).lower() in ("1", "true", "yes")
+        return str(value)
+    except (TypeError, ValueError) as error:
+        raise ConfigError(f"config field {name!r}: cannot use {value!r} ({error})") from None
+
+
+def _apply(section_obj: Any, values: dict[str, Any], section_name: str) -> None:
+    known = {f.name: f for f in dataclasses.fields(section_obj)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(
+                f"unknown config field {section_name + '.' if section_name else ''}{key}; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        if dataclasses.is_dataclass(getattr(section_obj, key)):
+            if not isinstance(value, dict):
+                raise ConfigError(f"config section [{key}] must be a table")
+            _apply(getattr(section_obj, key), value, key)
+        else:
+            setattr(section_obj, key, _coerce(value, known[key].type, key))
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> PeerConfig:
+    """Build a PeerConfig from defaults, an optional TOML file, then dotted overrides like {'train.lr': 1e-3}."""
+    config = PeerConfig()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            values = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+        _apply(config, values, "")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        *parents, leaf = dotted.split(".")
+        target = config
+        for parent in parents:
+            target = getattr(target, parent)
+        _apply(target, {leaf: value}, ".".join(parents))
+    validate_config(config)
+    return config
+
+
+def validate_config(config: PeerConfig) -> None:
+    """Reject values that cannot work, with a message that says what to change."""
+    model, train, network = config.model, config.train, config.network
+    if model.d_model % model.n_heads:
+        raise ConfigError(f"model.d_model={model.d_model} must be divisible by model.n_heads={model.n_heads}")
+    if train.inner_steps < 1 or train.outer_steps < 1 or train.batch_size < 1:
+        raise ConfigError("train.inner_steps, train.outer_steps and train.batch_size must be >= 1")
+    if not 0 <= train.outer_momentum < 1:
+        raise ConfigError(f"train.outer_momentum={train.outer_momentum} must be in [0, 1)")
+    if network.request_timeout >= network.min_matchmaking_time:
+        raise ConfigError("network.request_timeout must be smaller than network.min_matchmaking_time")
+    if network.min_group_size < 1 or network.target_group_size < network.min_group_size:
+        raise ConfigError("network.target_group_size must be >= network.min_group_size >= 1")
+    if "." in network.run_id or not network.run_id:
+        raise ConfigError(f"run id {network.run_id!r} must be non-empty and contain no '.'")
+    if config.data.num_shards < 1:
+        raise ConfigError("data.num_shards must be >= 1")
+    if config.data.shard_index is not None and not 0 <= config.data.shard_index < config.data.num_shards:
+        raise ConfigError(f"data.shard_index must be in [0, {config.data.num_shards})")
+
+
+def to_dict(config: PeerConfig) -> dict[str, Any]:
+    """Plain nested dict of a config, for logs and metadata."""
+    return dataclasses.asdict(config)

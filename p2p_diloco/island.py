@@ -1,0 +1,371 @@
+"""One island's training loop: H local AdamW steps, a gossip exchange of the pseudo-gradient, an outer step."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from p2p_diloco.config import PeerConfig
+from p2p_diloco.data import BatchStream, evaluate, load_shards
+from p2p_diloco.gossip import ExchangeResult, GossipExchange
+from p2p_diloco.merge import is_finite
+from p2p_diloco.metrics import MetricsWriter
+from p2p_diloco.model import build_model, count_parameters, model_fingerprint
+from p2p_diloco.network import ModelMismatchError, join_dht, register_model, shutdown_dht
+from p2p_diloco.outer import (
+    OuterOptimizer,
+    assign_parameters_,
+    flatten_parameters,
+    make_inner_optimizer,
+    pseudo_gradient,
+    state_digest,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RoundOutcome:
+    """How one outer step's merge went, for logs and metrics."""
+
+    partners: int
+    merged: bool
+    resynced: bool
+    note: str | None
+
+
+def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
+    """Identifies the architecture: parameter names and shapes plus the model config (n_heads changes no shape)."""
+    text = model_fingerprint(model) + json.dumps(asdict(config.model), sort_keys=True)
+    return f"{zlib.crc32(text.encode()):08x}{model_fingerprint(model)[:8]}"
+
+
+def data_seed(seed: int, shard_index: int | None, peer_id: str) -> int:
+    """Batch-order seed: fixed by (seed, shard) when the shard is given, else unique to the peer."""
+    if shard_index is not None:
+        return seed * 1_000_003 + shard_index + 1
+    return seed * 1_000_003 + zlib.crc32(peer_id.encode())
+
+
+class Island:
+    """A peer that trains with DiLoCo and merges pseudo-gradients with the swarm."""
+
+    def __init__(self, config: PeerConfig):
+        self.config = config
+        self._lock = threading.Lock()  # guards the outer state while a peer downloads it
+        self.outer_step = 0
+        self.inner_steps_total = 0
+        self.tokens = 0
+        self.dht = None
+        self.exchange: GossipExchange | None = None
+
+    # ----- state served to and loaded from peers -------------------------------------------------------
+    def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        with self._lock:
+            anchor = self.outer.anchor.data.clone()
+            momentum = self.outer.momentum().clone()
+            step = self.outer_step
+        metadata = {
+            "outer_step": step,
+            "fingerprint": self.fingerprint,
+            "digest": state_digest(anchor, momentum),
+            "run_id": self.config.network.run_id,
+        }
+        return metadata, [anchor, momentum]
+
+    def _adopt_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor], source: str) -> None:
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise ModelMismatchError(
+                f"model mismatch: {source} of run {self.config.network.run_id!r} trains model "
+                f"{metadata.get('fingerprint')}, this island's is {self.fingerprint}; "
+                "use the same [model] config as the swarm or another --run-id"
+            )
+        anchor, momentum = tensors
+        with self._lock:
+            self.outer.load(anchor, momentum)
+            self.outer_step = int(metadata["outer_step"])
+        assign_parameters_(self.model.parameters(), self.outer.anchor.data)
+
+    # ----- setup -------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        config = self.config
+        torch.set_num_threads(config.train.threads)
+        self.shards = load_shards(config.data)
+        self.model = build_model(config.model, seed=config.train.seed)
+        self.fingerprint = run_fingerprint(self.model, config)
+        self.outer = OuterOptimizer(
+            flatten_parameters(self.model.parameters()),
+            lr=config.train.outer_lr,
+            momentum=config.train.outer_momentum,
+        )
+        self.inner_optimizer, self.scheduler = make_inner_optimizer(
+            self.model, config.train.lr, config.train.weight_decay, config.train.warmup_steps
+        )
+
+    def _start_network(self) -> None:
+        network = self.config.network
+        start = time.monotonic()
+        if network.solo:
+            self.peer_id, self.join_s = f"solo-{network.run_id}-{self.config.data.shard_index}", 0.0
+            return
+        self.dht = join_dht(network)
+        self.peer_id = self.dht.peer_id.to_base58()
+        register_model(self.dht, network.run_id, self.peer_id, self.fingerprint, check=True)
+        self.exchange = GossipExchange(
+            self.dht,
+            run_id=network.run_id,
+            size=self.outer.anchor.numel(),
+            state_provider=self._state_for_peers,
+            target_group_size=network.target_group_size,
+            min_group_size=network.min_group_size,
+            min_matchmaking_time=network.min_matchmaking_time,
+            request_timeout=network.request_timeout,
+            allreduce_timeout=network.allreduce_timeout,
+            next_chunk_timeout=network.next_chunk_timeout,
+        )
+        self.join_s = time.monotonic() - start
+
+    def _restore(self) -> str:
+        """Start from the freshest of: the swarm's current state, this island's checkpoint, a fresh init."""
+        config = self.config
+        checkpoint = None
+        if config.checkpoint_dir and (path := latest_checkpoint(config.checkpoint_dir)) is not None:
+            checkpoint = load_checkpoint(path)
+            if checkpoint.get("fingerprint") != self.fingerprint:
+                raise ModelMismatchError(
+                    f"model mismatch: checkpoint {path} holds model {checkpoint.get('fingerprint')}, "
+                    f"the config builds {self.fingerprint}; point --checkpoint-dir elsewhere"
+                )
+        swarm = None if self.exchange is None else self.exchange.load_state(timeout=config.network.state_timeout)
+        swarm_step = int(swarm[0]["outer_step"]) if swarm else -1
+        if checkpoint is not None:
+            self._load_local(checkpoint)
+        if swarm is not None and swarm_step >= self.outer_step and swarm_step > 0:
+            self._adopt_state(*swarm, source="the swarm")
+            return f"swarm state at outer step {swarm_step}"
+        if checkpoint is not None:
+            return f"checkpoint at outer step {self.outer_step}"
+        return "fresh initialisation"
+
+    def _load_local(self, checkpoint: dict[str, Any]) -> None:
+        with self._lock:
+            self.outer.load(checkpoint["anchor"], checkpoint["momentum"])
+            self.outer_step = int(checkpoint["outer_step"])
+        assign_parameters_(self.model.parameters(), self.outer.anchor.data)
+        self.inner_optimizer.load_state_dict(checkpoint["inner_optimizer"])
+        self.scheduler.load_state_dict(checkpoint["scheduler"])
+        self.stream.load_state_dict(checkpoint["stream"])
+        self.inner_steps_total = int(checkpoint["inner_steps_total"])
+        self.tokens = int(checkpoint["tokens"])
+
+    def _save(self) -> None:
+        config = self.config
+        if not config.checkpoint_dir or self.outer_step % config.checkpoint_every:
+            return
+        with self._lock:
+            state = {
+                **self.outer.state_dict(),
+                "outer_step": self.outer_step,
+                "fingerprint": self.fingerprint,
+                "inner_optimizer": self.inner_optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "stream": self.stream.state_dict(),
+                "inner_steps_total": self.inner_steps_total,
+                "tokens": self.tokens,
+            }
+        save_checkpoint(config.checkpoint_dir, state, self.outer_step)
+
+    # ----- training ----------------------------------------------------------------------------------
+    def _inner_steps(self) -> tuple[float, int]:
+        config = self.config
+        self.model.train()
+        losses = []
+        for _ in range(config.train.inner_steps):
+            inputs, targets = self.stream.next_batch()
+            _, loss = self.model(inputs, targets)
+            self.inner_optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), config.train.grad_clip)
+            self.inner_optimizer.step()
+            self.scheduler.step()
+            losses.append(loss.item())
+        steps = config.train.inner_steps
+        self.inner_steps_total += steps
+        self.tokens += steps * self.stream.tokens_per_batch
+        return sum(losses) / len(losses), steps * self.stream.tokens_per_batch
+
+    def _merge(self, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, ExchangeResult, RoundOutcome]:
+        """Average with ready partners; fall back to the island's own pseudo-gradient when that fails."""
+        network = self.config.network
+        with self._lock:
+            digest = state_digest(self.outer.anchor.data, self.outer.momentum())
+        metadata = {
+            "outer_step": self.outer_step,
+            "digest": digest,
+            "fingerprint": self.fingerprint,
+            "tokens": tokens,
+            "steps": self.config.train.inner_steps,
+        }
+        if self.exchange is None:
+            return delta, ExchangeResult(merged=None), RoundOutcome(0, False, False, "solo")
+        result = self.exchange.average(delta, metadata, weight=1.0, timeout=network.averaging_timeout)
+        note = result.error
+        merged = result.merged
+        if merged is not None:
+            strangers = [p for p, data in result.partners.items() if data.get("fingerprint") != self.fingerprint]
+            if strangers:
+                note = f"model mismatch: discarded a round with islands of another model: {strangers}"
+                logger.warning(note)
+                merged = None
+            elif not is_finite(merged):
+                note = "NaN or inf in the merged update from a peer: round discarded"
+                logger.warning(note)
+                merged = None
+        if merged is None:
+            result.partners = {}
+            return delta, result, RoundOutcome(0, False, False, note)
+        return merged, result, RoundOutcome(len(result.partners), True, False, None)
+
+    def _resync_if_off_lineage(self, result: ExchangeResult, merged: torch.Tensor, pre_digest: str) -> bool:
+        """After a merge, an island whose anchor differs from the group's canonical one downloads it."""
+        members = {self.peer_id: (self.outer_step - 1, pre_digest)}
+        members.update({peer: (int(d["outer_step"]), str(d["digest"])) for peer, d in result.partners.items()})
+        counts: dict[tuple[int, str], int] = {}
+        for lineage in members.values():
+            counts[lineage] = counts.get(lineage, 0) + 1
+        canonical = max(counts, key=lambda lineage: (lineage[0], counts[lineage], lineage[1]))
+        logger.debug(f"lineages {members}")
+        if members[self.peer_id] == canonical:
+            return False
+        donors = [peer for peer, lineage in members.items() if lineage == canonical]
+        state = self.exchange.load_state(timeout=self.config.network.state_timeout, peers=donors)
+        if state is None:
+            logger.warning("off the group's lineage and no donor answered; keeping own anchor")
+            return False
+        metadata, tensors = state
+        if metadata.get("fingerprint") != self.fingerprint:
+            return False
+        if metadata.get("digest") == canonical[1]:  # donor had not applied this round yet
+            with self._lock:
+                self.outer.load(*tensors)
+                self.outer.step(merged)
+                self.outer_step = canonical[0] + 1
+        else:
+            with self._lock:
+                self.outer.load(*tensors)
+                self.outer_step = int(metadata["outer_step"])
+        logger.info(f"resynchronised anchor from {donors[0][:12]}... at outer step {self.outer_step}")
+        return True
+
+    def run(self) -> int:
+        """Train until the swarm's outer step reaches train.outer_steps; returns the number of outer steps run."""
+        config = self.config
+        self._build()
+        metrics = MetricsWriter(config.metrics)
+        try:
+            self._start_network()
+            self.stream = BatchStream(
+                self.shards.train_shard(config.data.shard_index or 0, config.data.num_shards)
+                if config.data.shard_index is not None
+                else self.shards.train,
+                config.train.batch_size,
+                config.model.seq_len,
+                seed=data_seed(config.train.seed, config.data.shard_index, self.peer_id),
+            )
+            origin = self._restore()
+            start_digest = state_digest(self.outer.anchor.data, self.outer.momentum())
+            logger.info(
+                f"island {self.peer_id} joined run {config.network.run_id!r} in {self.join_s:.1f}s; "
+                f"{count_parameters(self.model):,} parameters, starting from {origin} "
+                f"(outer step {self.outer_step}, anchor {start_digest})"
+            )
+            metrics_base = {"peer_id": self.peer_id, "run_id": config.network.run_id}
+            start_step = self.outer_step
+            rounds = 0
+            while self.outer_step < config.train.outer_steps:
+                round_start = time.monotonic()
+                loss, tokens = self._inner_steps()
+                compute_s = time.monotonic() - round_start
+                local = flatten_parameters(self.model.parameters())
+                delta = pseudo_gradient(self.outer.anchor.data, local)
+                if not is_finite(delta):
+                    logger.warning("local training produced NaN/inf; dropping this round's local progress")
+                    delta = torch.zeros_like(delta)
+                with self._lock:
+                    pre_digest = state_digest(self.outer.anchor.data, self.outer.momentum())
+                merged, result, outcome = self._merge(delta, tokens)
+                with self._lock:
+                    self.outer.step(merged)
+                    self.outer_step += 1
+                resync_start = time.monotonic()
+                if outcome.merged:
+                    outcome.resynced = self._resync_if_off_lineage(result, merged, pre_digest)
+                wait_s = result.wait_s + (time.monotonic() - resync_start)
+                assign_parameters_(self.model.parameters(), self.outer.anchor.data)
+                if self.exchange is not None:
+                    self.exchange.set_state_priority(float(self.outer_step))
+                eval_loss = evaluate(
+                    self.model,
+                    self.shards.eval,
+                    config.model.seq_len,
+                    config.train.batch_size,
+                    config.data.eval_batches,
+                )
+                with self._lock:
+                    digest = state_digest(self.outer.anchor.data, self.outer.momentum())
+                record = {
+                    **metrics_base,
+                    "outer_step": self.outer_step,
+                    "inner_steps_total": self.inner_steps_total,
+                    "loss": loss,
+                    "eval_loss": eval_loss,
+                    "tokens": self.tokens,
+                    "partners": outcome.partners,
+                    "wait_s": wait_s,
+                    "bytes_sent": result.bytes_sent,
+                    "bytes_recv": result.bytes_recv,
+                    "time": time.time(),
+                    "compute_s": compute_s,
+                    "round_s": time.monotonic() - round_start,
+                    "group": sorted(result.partners),
+                    "merged": outcome.merged,
+                    "resynced": outcome.resynced,
+                    "note": outcome.note,
+                    "anchor_digest": digest,
+                    "start_digest": start_digest if rounds == 0 else None,
+                    "start_outer_step": start_step,
+                }
+                metrics.write(record)
+                self._save()
+                if self.dht is not None:
+                    register_model(self.dht, config.network.run_id, self.peer_id, self.fingerprint, check=False)
+                rounds += 1
+                logger.info(
+                    f"outer step {self.outer_step}/{config.train.outer_steps}: loss {loss:.4f} "
+                    f"eval {eval_loss:.4f} partners {outcome.partners} wait {wait_s:.2f}s"
+                    + (f" ({outcome.note})" if outcome.note else "")
+                )
+            return rounds
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop the averager and the DHT, leaving no child process behind."""
+        if self.exchange is not None:
+            try:
+                self.exchange.shutdown()
+            except Exception as error:  # shutting down must not mask the original error
+                logger.debug(f"averager shutdown: {error!r}")
+            self.exchange = None
+        if self.dht is not None:
+            shutdown_dht(self.dht)
+            self.dht = None

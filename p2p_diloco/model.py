@@ -1,0 +1,124 @@
+"""A tiny byte-level decoder-only transformer (pre-LayerNorm GPT) that every island of a run shares."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from p2p_diloco.config import ModelConfig
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with one fused QKV projection."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.d_model % config.n_heads:
+            raise ValueError(f"d_model={config.d_model} must be divisible by n_heads={config.n_heads}")
+        self.n_heads = config.n_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model)
+        self.proj = nn.Linear(config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Attend over earlier positions only; [B, T, C] -> [B, T, C]."""
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        # [B, T, C] -> [B, heads, T, head_dim], the layout scaled_dot_product_attention expects
+        q, k, v = (t.view(B, T, self.n_heads, C // self.n_heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    """Position-wise feed-forward network with a GELU."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.fc = nn.Linear(config.d_model, config.mlp_ratio * config.d_model)
+        self.proj = nn.Linear(config.mlp_ratio * config.d_model, config.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, C] -> [B, T, C]."""
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Pre-LayerNorm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, C] -> [B, T, C]."""
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """Token + learned position embeddings, n_layers blocks, final LayerNorm and a tied LM head."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        # Weight tying: one matrix embeds bytes and scores them, fewer parameters to average across islands
+        self.lm_head.weight = self.tok_emb.weight
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [B, T, V] for token ids [B, T]; loss = mean cross-entropy when targets are given."""
+        T = idx.shape[1]
+        if T > self.config.seq_len:
+            raise ValueError(f"sequence of length {T} is longer than model.seq_len={self.config.seq_len}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+
+def _init_weights(module: nn.Module) -> None:
+    """GPT-2 style init: normal(0, 0.02) weights and zero biases; LayerNorms keep their ones/zeros."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    if isinstance(module, nn.Linear) and module.bias is not None:
+        nn.init.zeros_(module.bias)
+
+
+def build_model(config: ModelConfig, seed: int) -> TinyGPT:
+    """Build a TinyGPT whose weights depend only on (config, seed), leaving the global RNG untouched."""
+    # Every island must start from bit-identical weights; forking keeps the caller's RNG stream unchanged
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TinyGPT(config)
+        model.apply(_init_weights)
+    return model
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Number of trainable scalars (tied weights counted once)."""
+    return sum(p.numel() for p in model.parameters())
+
+
+def model_fingerprint(model: nn.Module) -> str:
+    """16-hex-char hash of the ordered (name, shape, dtype) of every parameter: architecture, not values."""
+    digest = hashlib.blake2b(digest_size=8)
+    for name, param in model.named_parameters():
+        digest.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
+    return digest.hexdigest()

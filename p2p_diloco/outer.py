@@ -1,0 +1,92 @@
+"""DiLoCo's outer loop in pure torch: pseudo-gradients and the outer Nesterov optimizer. No networking."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parameters_to_vector
+
+
+def flatten_parameters(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
+    """One flat fp32 copy of the parameters, in module order."""
+    return parameters_to_vector([p.detach() for p in parameters]).float().clone()
+
+
+@torch.no_grad()
+def assign_parameters_(parameters: Iterable[nn.Parameter], flat: torch.Tensor) -> None:
+    """Copy the values of a flat vector into the parameters (copies: the parameters never alias `flat`)."""
+    offset = 0
+    for parameter in parameters:
+        count = parameter.numel()
+        parameter.copy_(flat[offset : offset + count].view_as(parameter))
+        offset += count
+    if offset != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} values, the parameters {offset}")
+
+
+def pseudo_gradient(anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """Outer pseudo-gradient: anchor (weights at the last outer step) minus the local weights."""
+    return anchor - local
+
+
+class OuterOptimizer:
+    """SGD with Nesterov momentum on the flat anchor; its momentum is kept across outer steps."""
+
+    def __init__(self, anchor: torch.Tensor, lr: float = 0.7, momentum: float = 0.9):
+        self.anchor = nn.Parameter(anchor.detach().float().clone(), requires_grad=False)
+        self.optimizer = torch.optim.SGD([self.anchor], lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    @torch.no_grad()
+    def step(self, outer_gradient: torch.Tensor) -> torch.Tensor:
+        """Apply one outer step with the (merged) pseudo-gradient and return the new anchor."""
+        self.anchor.grad = outer_gradient.detach().float().reshape_as(self.anchor).clone()
+        self.optimizer.step()
+        self.anchor.grad = None
+        return self.anchor.data
+
+    def momentum(self) -> torch.Tensor:
+        """The momentum buffer (zeros before the first step)."""
+        buffer = self.optimizer.state.get(self.anchor, {}).get("momentum_buffer")
+        return torch.zeros_like(self.anchor.data) if buffer is None else buffer
+
+    @torch.no_grad()
+    def load(self, anchor: torch.Tensor, momentum: torch.Tensor | None) -> None:
+        """Replace anchor and momentum, e.g. with a state downloaded from a peer."""
+        self.anchor.data.copy_(anchor.reshape_as(self.anchor))
+        state = self.optimizer.state[self.anchor]
+        if momentum is None:
+            state.pop("momentum_buffer", None)
+        else:
+            state["momentum_buffer"] = momentum.detach().float().reshape_as(self.anchor).clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Anchor and momentum as plain tensors."""
+        return {"anchor": self.anchor.data.clone(), "momentum": self.momentum().clone()}
+
+
+def make_inner_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, warmup_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """Inner AdamW with linear warm-up; its state stays on this island."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+    return optimizer, scheduler
+
+
+def state_digest(*tensors: torch.Tensor) -> str:
+    """Short hash of exact tensor bytes: islands on the same lineage of outer steps have equal digests."""
+    import hashlib
+
+    hasher = hashlib.blake2b(digest_size=8)
+    for tensor in tensors:
+        hasher.update(tensor.detach().contiguous().view(-1).numpy().tobytes())
+    return hasher.hexdigest()
