@@ -75,12 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     bootstrap = commands.add_parser("bootstrap", help="run a DHT node that trains nothing and lets peers meet")
+    bootstrap.add_argument("--config", help="TOML bootstrap configuration, e.g. bootstrap/bootstrap.toml")
     bootstrap.add_argument("--identity", help="key file for a stable peer id (created if missing)")
-    bootstrap.add_argument("--host-maddrs", nargs="+", default=["/ip4/127.0.0.1/tcp/0"], help="listen addresses")
-    bootstrap.add_argument("--announce-maddrs", nargs="+", default=[], help="addresses peers should dial")
-    bootstrap.add_argument("--initial-peers", nargs="+", default=[], help="other bootstraps or live peers")
+    bootstrap.add_argument("--host-maddrs", nargs="+", help="listen addresses (default /ip4/127.0.0.1/tcp/0)")
+    bootstrap.add_argument("--announce-maddrs", nargs="+", help="addresses peers should dial")
+    bootstrap.add_argument("--initial-peers", nargs="+", help="other bootstraps or live peers")
     bootstrap.add_argument("--maddrs-file", help="also write the multiaddrs here, one per line, once reachable")
-    bootstrap.add_argument("--run-id", default="p2p-diloco", help="run id shown in the printed peer command")
+    bootstrap.add_argument("--run-id", help="run id shown in the printed peer command")
     bootstrap.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach --initial-peers")
     bootstrap.add_argument("--log-level", default="INFO")
 
@@ -109,10 +110,11 @@ def _run_peer(args: argparse.Namespace) -> int:
     from p2p_diloco.swarms import SwarmListError, resolve_swarm
 
     try:
-        overrides = _overrides(args)
+        overrides, config_path = _overrides(args), args.config
         if args.swarm:
-            overrides = {**resolve_swarm(args.swarm), **overrides}
-        config = load_config(args.config, overrides)
+            swarm_overrides, swarm_config = resolve_swarm(args.swarm)
+            overrides, config_path = {**swarm_overrides, **overrides}, config_path or swarm_config
+        config = load_config(config_path, overrides)
         if not config.network.initial_peers:
             print("p2p-diloco peer: no --initial-peers: starting a new swarm of one", file=sys.stderr)
         validate_maddrs(config.network.initial_peers, need_peer_id=True)
@@ -136,28 +138,47 @@ def _run_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+BOOTSTRAP_DEFAULTS = {
+    "identity": None,
+    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "announce_maddrs": [],
+    "initial_peers": [],
+    "maddrs_file": None,
+    "run_id": "p2p-diloco",
+}
+
+
+def _bootstrap_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the --config file, then flags."""
+    settings = dict(BOOTSTRAP_DEFAULTS)
+    if args.config:
+        try:
+            values = config_module.tomllib.loads(open(args.config).read())
+        except (OSError, config_module.tomllib.TOMLDecodeError) as error:
+            raise ConfigError(f"bootstrap config {args.config}: {error}") from None
+        unknown = set(values) - set(settings)
+        if unknown:
+            raise ConfigError(f"bootstrap config {args.config}: unknown keys {sorted(unknown)}")
+        settings.update(values)
+    settings.update({key: getattr(args, key) for key in settings if getattr(args, key) is not None})
+    return settings
+
+
 def _run_bootstrap(args: argparse.Namespace) -> int:
     from p2p_diloco.bootstrap import run_bootstrap
     from p2p_diloco.maddrs import MultiaddrError, validate_maddrs
     from p2p_diloco.network import JoinError
 
     try:
-        validate_maddrs(args.initial_peers, need_peer_id=True)
-        validate_maddrs(args.host_maddrs + args.announce_maddrs, need_peer_id=False)
-    except MultiaddrError as error:
+        settings = _bootstrap_settings(args)
+        validate_maddrs(settings["initial_peers"], need_peer_id=True)
+        validate_maddrs(settings["host_maddrs"] + settings["announce_maddrs"], need_peer_id=False)
+    except (ConfigError, MultiaddrError) as error:
         print(f"p2p-diloco bootstrap: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     _setup_logging(args.log_level)
     try:
-        run_bootstrap(
-            identity=args.identity,
-            host_maddrs=args.host_maddrs,
-            announce_maddrs=args.announce_maddrs,
-            initial_peers=args.initial_peers,
-            maddrs_file=args.maddrs_file,
-            run_id=args.run_id,
-            timeout=args.join_timeout,
-        )
+        run_bootstrap(**settings, timeout=args.join_timeout)
     except JoinError as error:
         print(f"p2p-diloco bootstrap: error: {error}", file=sys.stderr)
         return EXIT_NETWORK

@@ -194,7 +194,9 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         *parents, leaf = dotted.split(".")
         target = config
         for parent in parents:
-            target = getattr(target, parent)
+            target = getattr(target, parent, None)
+            if not dataclasses.is_dataclass(target):
+                raise ConfigError(f"unknown config section in {dotted!r}")
         _apply(target, {leaf: value}, ".".join(parents))
     validate_config(config)
     return config

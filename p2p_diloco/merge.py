@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -20,7 +21,8 @@ def weighted_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float
         if tensor.shape != shape:
             raise MergeError(f"cannot merge pseudo-gradients of shapes {tuple(shape)} and {tuple(tensor.shape)}")
     weights = [1.0] * len(contributions) if weights is None else [float(w) for w in weights]
-    if len(weights) != len(contributions) or any(w < 0 for w in weights) or sum(weights) <= 0:
+    bad = any(not math.isfinite(w) or w < 0 for w in weights)
+    if len(weights) != len(contributions) or bad or sum(weights) <= 0:
         raise MergeError(f"merge weights must be non-negative with a positive sum, got {weights}")
     total = torch.zeros(shape, dtype=torch.float32)
     for tensor, weight in zip(contributions, weights):

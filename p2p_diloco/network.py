@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from hivemind.utils import get_dht_time
 
@@ -31,6 +32,8 @@ def start_dht(
     timeout: float,
 ) -> OrphanFreeDHT:
     """Start a DHT node (and its p2pd) that dies with this process; raise JoinError within `timeout`."""
+    if identity:
+        Path(identity).expanduser().parent.mkdir(parents=True, exist_ok=True)
     kwargs = {"host_maddrs": host_maddrs, "identity_path": identity}
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs

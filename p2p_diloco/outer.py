@@ -18,13 +18,15 @@ def flatten_parameters(parameters: Iterable[nn.Parameter]) -> torch.Tensor:
 @torch.no_grad()
 def assign_parameters_(parameters: Iterable[nn.Parameter], flat: torch.Tensor) -> None:
     """Copy the values of a flat vector into the parameters (copies: the parameters never alias `flat`)."""
+    parameters = list(parameters)
+    total = sum(parameter.numel() for parameter in parameters)
+    if total != flat.numel():
+        raise ValueError(f"flat vector has {flat.numel()} values, the parameters {total}")
     offset = 0
     for parameter in parameters:
         count = parameter.numel()
         parameter.copy_(flat[offset : offset + count].view_as(parameter))
         offset += count
-    if offset != flat.numel():
-        raise ValueError(f"flat vector has {flat.numel()} values, the parameters {offset}")
 
 
 def pseudo_gradient(anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -88,5 +90,6 @@ def state_digest(*tensors: torch.Tensor) -> str:
 
     hasher = hashlib.blake2b(digest_size=8)
     for tensor in tensors:
-        hasher.update(tensor.detach().contiguous().view(-1).numpy().tobytes())
+        hasher.update(f"{tensor.dtype}{tuple(tensor.shape)};".encode())
+        hasher.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()

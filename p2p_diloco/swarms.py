@@ -32,15 +32,13 @@ def load_swarms(path: Path | None = None) -> dict[str, dict[str, Any]]:
         raise SwarmListError(f"swarm list {path} is not valid TOML: {error}") from None
 
 
-def resolve_swarm(name: str, path: Path | None = None) -> dict[str, Any]:
-    """Config overrides (run id, initial peers) for a named swarm."""
+def resolve_swarm(name: str, path: Path | None = None) -> tuple[dict[str, Any], str | None]:
+    """Config overrides (run id, initial peers) and the peer config file of a named swarm."""
     swarms = load_swarms(path)
     if name not in swarms:
         raise SwarmListError(f"unknown swarm {name!r}; known: {', '.join(sorted(swarms)) or 'none'}")
     entry = swarms[name]
     if not entry.get("initial_peers"):
         raise SwarmListError(f"swarm {name!r} lists no initial_peers")
-    return {
-        "network.run_id": entry.get("run_id", name),
-        "network.initial_peers": list(entry["initial_peers"]),
-    }
+    overrides = {"network.run_id": entry.get("run_id", name), "network.initial_peers": list(entry["initial_peers"])}
+    return overrides, entry.get("config")

@@ -1,0 +1,29 @@
+# p2p-diloco: `make demo` runs a local swarm, `make test` runs the test suite. Both set up .venv first.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch; for a CUDA build install your torch into .venv first (see README).
+TORCH ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet $(TORCH)
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/p2p-diloco swarm --peers 3 --baseline --out runs/demo
+
+test: $(STAMP)
+	$(BIN)/pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,127 @@
+"""Shared fixtures: real local swarms of bootstrap and peer processes, and a check that no daemon outlives a test."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from p2p_diloco.metrics import read_metrics
+from p2p_diloco.swarm import spawn, start_bootstrap, stop
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "peers" / "tiny.toml"
+
+
+def p2pd_processes() -> dict[int, psutil.Process]:
+    """Running p2pd daemons by pid."""
+    found = {}
+    for process in psutil.process_iter(["name"]):
+        if process.info["name"] == "p2pd":
+            found[process.pid] = process
+    return found
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.2) -> None:
+    """Poll `predicate` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(interval)
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_daemons() -> Iterator[None]:
+    """Fail a test that leaves p2pd daemons behind, and clean up its stale unix sockets."""
+    before = set(p2pd_processes())
+    sockets_before = set(glob.glob("/tmp/hivemind-*.sock"))
+    yield
+    new = [process for pid, process in p2pd_processes().items() if pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=10)
+    for process in alive:
+        process.kill()
+    for path in set(glob.glob("/tmp/hivemind-*.sock")) - sockets_before:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    assert not alive, f"p2pd daemons outlived the test: {[process.pid for process in alive]}"
+
+
+@dataclass
+class PeerProcess:
+    """A `p2p-diloco peer` child process with its metrics and log files."""
+
+    name: str
+    process: subprocess.Popen
+    metrics: Path
+    log: Path
+    checkpoint_dir: Path
+
+    def records(self) -> list[dict]:
+        """Metrics records written so far."""
+        return read_metrics(self.metrics) if self.metrics.exists() else []
+
+    def log_text(self) -> str:
+        """Everything the peer printed."""
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the peer to exit; fail the test with its log tail if it does not."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.name} did not finish in {timeout:.0f}s; log tail:\n{self.log_text()[-3000:]}")
+
+
+class LocalSwarm:
+    """Starts a bootstrap and peers as separate processes on 127.0.0.1 and stops every one of them."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.children: list[subprocess.Popen] = []
+        self.maddrs: list[str] = []
+
+    def bootstrap(self) -> list[str]:
+        """Start the bootstrap; return its multiaddrs."""
+        process, self.maddrs = start_bootstrap(self.folder)
+        self.children.append(process)
+        return self.maddrs
+
+    def peer(self, name: str, *args: str, config: Path | None = TINY, join: bool = True) -> PeerProcess:
+        """Start one island; by default it joins this swarm's bootstrap with run id 'test'."""
+        metrics = self.folder / f"{name}.jsonl"
+        checkpoint_dir = self.folder / f"{name}-ckpt"
+        command = ["peer", "--metrics", str(metrics), "--checkpoint-dir", str(checkpoint_dir)]
+        if config is not None:
+            command += ["--config", str(config)]
+        if join:
+            command += ["--initial-peers", *self.maddrs]
+        if "--run-id" not in args:
+            command += ["--run-id", "test"]
+        process = spawn([*command, *args], log_path=self.folder / f"{name}.log")
+        self.children.append(process)
+        return PeerProcess(name, process, metrics, self.folder / f"{name}.log", checkpoint_dir)
+
+    def close(self) -> None:
+        """Stop every child process and its whole session."""
+        for child in reversed(self.children):
+            stop(child, grace=10)
+
+
+@pytest.fixture
+def local_swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
+    """A LocalSwarm in a temporary folder, torn down even when the test fails."""
+    swarm = LocalSwarm(tmp_path)
+    try:
+        yield swarm
+    finally:
+        swarm.close()

@@ -1,0 +1,86 @@
+"""One member of a test averaging group, run as its own process so that a test can SIGKILL it mid-round.
+
+Protocol on stdout: "READY <maddr>", then after a line "GO" on stdin, "ALLREDUCE" once the all-reduce has
+started, then "RESULT <json>" with the merged vector's checksum (or null when the round was discarded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from p2p_diloco.gossip import GossipExchange
+from p2p_diloco.network import shutdown_dht, start_dht
+
+
+def member_vector(seed: int, size: int) -> torch.Tensor:
+    """The pseudo-gradient member `seed` contributes (tests recompute it to know the true mean)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(size, generator=generator)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--size", type=int, required=True)
+    parser.add_argument("--group-size", type=int, required=True)
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    parser.add_argument("--nan", action="store_true", help="contribute a NaN vector")
+    args = parser.parse_args()
+
+    dht = start_dht(
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        announce_maddrs=[],
+        identity=None,
+        timeout=30,
+    )
+    exchange = GossipExchange(
+        dht,
+        run_id="exchange-test",
+        size=args.size,
+        state_provider=lambda: ({}, []),
+        target_group_size=args.group_size,
+        min_group_size=args.group_size,
+        min_matchmaking_time=2.0,
+        request_timeout=1.0,
+        allreduce_timeout=30.0,
+        next_chunk_timeout=3.0,
+    )
+    try:
+        print(f"READY {dht.get_visible_maddrs()[0]}", flush=True)
+        assert sys.stdin.readline().strip() == "GO"
+        vector = member_vector(args.seed, args.size)
+        if args.nan:
+            vector[::7] = float("nan")
+        with exchange.averager.get_tensors() as tensors:
+            tensors[0].copy_(vector)
+        control = exchange.averager.step(weight=1.0, timeout=12, wait=False)
+        while not control.done():
+            if control.stage.name == "RUNNING_ALLREDUCE":
+                print("ALLREDUCE", flush=True)
+                break
+            time.sleep(0.001)
+        try:
+            gathered = control.result(timeout=90)
+        except Exception as error:
+            gathered = None
+            print(f"# step failed: {error!r}", flush=True)
+        with exchange.averager.get_tensors() as tensors:
+            buffer = tensors[0].clone()
+        result = None
+        if gathered:
+            result = {"sum": float(buffer.double().sum()), "first": buffer[:4].tolist(), "group": len(gathered)}
+        restored = bool(torch.equal(buffer, vector)) if not args.nan else None
+        print("RESULT " + json.dumps({"merged": result, "restored": restored}), flush=True)
+    finally:
+        exchange.shutdown()
+        shutdown_dht(dht)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""The all-or-nothing all-reduce: unit tests of the reducer, and real averaging groups of member processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from exchange_member import member_vector
+
+from p2p_diloco.allreduce import StrictPartReducer
+from p2p_diloco.process import kill_process_tree
+
+MEMBER = Path(__file__).with_name("exchange_member.py")
+
+
+def test_reducer_averages_parts() -> None:
+    async def scenario() -> list[torch.Tensor]:
+        reducer = StrictPartReducer([torch.Size([3])] * 2, num_senders=2)
+        results = []
+        for part in range(2):
+            first = asyncio.create_task(reducer.accumulate_part(0, part, torch.full((3,), 1.0), weight=1.0))
+            second = asyncio.create_task(reducer.accumulate_part(1, part, torch.full((3,), 4.0), weight=3.0))
+            results.append((await first).clone())
+            await second
+        return results
+
+    for result in asyncio.run(scenario()):
+        torch.testing.assert_close(result, torch.full((3,), (1.0 + 12.0) / 4.0))
+
+
+def test_reducer_poisons_parts_after_a_sender_fails_midway() -> None:
+    async def scenario() -> tuple[torch.Tensor, torch.Tensor]:
+        reducer = StrictPartReducer([torch.Size([2])] * 2, num_senders=2)
+        first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(2)))
+        await reducer.accumulate_part(1, 0, torch.ones(2) * 3)
+        part0 = (await first).clone()
+        pending = asyncio.create_task(reducer.accumulate_part(0, 1, torch.ones(2)))
+        await asyncio.sleep(0)
+        reducer.on_sender_failed(1)  # sender 1 dies after sending one of its two parts
+        return part0, (await pending).clone()
+
+    part0, part1 = asyncio.run(scenario())
+    torch.testing.assert_close(part0, torch.full((2,), 2.0))
+    assert torch.isnan(part1).all(), "a part reduced without a failed sender must not look valid"
+
+
+def test_reducer_keeps_results_when_a_sender_fails_after_sending_everything() -> None:
+    async def scenario() -> torch.Tensor:
+        reducer = StrictPartReducer([torch.Size([2])], num_senders=2)
+        first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(2)))
+        await reducer.accumulate_part(1, 0, torch.ones(2) * 3)
+        reducer.on_sender_failed(1)
+        return (await first).clone()
+
+    torch.testing.assert_close(asyncio.run(scenario()), torch.full((2,), 2.0))
+
+
+class Members:
+    """Member processes of one averaging group."""
+
+    def __init__(self) -> None:
+        self.processes: list[subprocess.Popen] = []
+
+    def start(self, seed: int, size: int, group_size: int, peers: list[str], *extra: str) -> subprocess.Popen:
+        """Start a member and wait for its READY line."""
+        process = subprocess.Popen(
+            [
+                sys.executable,
+                str(MEMBER),
+                "--seed",
+                str(seed),
+                "--size",
+                str(size),
+                "--group-size",
+                str(group_size),
+                "--initial-peers",
+                *peers,
+                *extra,
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
+        self.processes.append(process)
+        line = process.stdout.readline()
+        assert line.startswith("READY "), f"member {seed} failed to start: {line!r}"
+        process.maddr = line.split()[1]
+        return process
+
+    def go(self) -> None:
+        """Let every member start its averaging step."""
+        for process in self.processes:
+            process.stdin.write("GO\n")
+            process.stdin.flush()
+
+    @staticmethod
+    def result(process: subprocess.Popen) -> dict:
+        """The member's RESULT line."""
+        for line in process.stdout:
+            if line.startswith("RESULT "):
+                process.wait(30)
+                return json.loads(line[len("RESULT ") :])
+        pytest.fail(f"member exited without a result (code {process.wait()})")
+
+    def close(self) -> None:
+        """Kill every member and its daemons."""
+        for process in self.processes:
+            kill_process_tree(process.pid)
+            process.wait()
+
+
+@pytest.fixture
+def members() -> Iterator[Members]:
+    group = Members()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+def _true_mean(seeds: list[int], size: int) -> torch.Tensor:
+    return torch.stack([member_vector(seed, size) for seed in seeds]).mean(dim=0)
+
+
+def test_group_gets_the_exact_mean_with_identical_bits(members: Members) -> None:
+    size, seeds = 300_000, [1, 2, 3]
+    first = members.start(seeds[0], size, 3, [])
+    for seed in seeds[1:]:
+        members.start(seed, size, 3, [first.maddr])
+    members.go()
+    results = [members.result(process) for process in members.processes]
+    mean = _true_mean(seeds, size)
+    for result in results:
+        assert result["merged"] is not None and result["merged"]["group"] == 3
+        assert result["merged"]["sum"] == pytest.approx(float(mean.double().sum()), abs=1e-2)
+        torch.testing.assert_close(torch.tensor(result["merged"]["first"]), mean[:4], atol=1e-6, rtol=0)
+    assert len({json.dumps(result["merged"]) for result in results}) == 1, "members ended with different bits"
+
+
+def test_member_killed_mid_round_never_leaves_a_partial_average(members: Members) -> None:
+    size, seeds = 2_000_000, [11, 12, 13]
+    first = members.start(seeds[0], size, 3, [])
+    survivor = members.start(seeds[1], size, 3, [first.maddr])
+    victim = members.start(seeds[2], size, 3, [first.maddr])
+    members.go()
+    assert victim.stdout.readline().strip() == "ALLREDUCE"
+    kill_process_tree(victim.pid, signal.SIGKILL)
+    full_mean = float(_true_mean(seeds, size).double().sum())
+    outcomes = []
+    for process in (first, survivor):
+        result = members.result(process)
+        if result["merged"] is None:
+            assert result["restored"], "a discarded round must leave the island's own pseudo-gradient intact"
+            outcomes.append("discarded")
+        else:  # the victim had sent everything before it died: a complete average is valid
+            assert result["merged"]["sum"] == pytest.approx(full_mean, abs=1e-1)
+            outcomes.append("complete")
+    assert len(set(outcomes)) == 1, f"survivors disagree on the round: {outcomes}"
+
+
+def test_nan_from_a_peer_is_never_applied(members: Members) -> None:
+    size = 50_000
+    healthy = members.start(21, size, 2, [])
+    members.start(22, size, 2, [healthy.maddr], "--nan")
+    members.go()
+    results = [members.result(process) for process in members.processes]
+    assert all(result["merged"] is None for result in results)
+    assert results[0]["restored"]

@@ -1,0 +1,195 @@
+"""Integration: real bootstrap and peer processes with hivemind daemons on 127.0.0.1."""
+
+from __future__ import annotations
+
+import signal
+from collections import defaultdict
+
+import psutil
+import torch
+from conftest import TINY, LocalSwarm, wait_until
+
+from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint
+from p2p_diloco.config import load_config
+from p2p_diloco.data import BatchStream, load_shards
+from p2p_diloco.island import data_seed
+from p2p_diloco.model import build_model
+from p2p_diloco.outer import (
+    OuterOptimizer,
+    assign_parameters_,
+    flatten_parameters,
+    make_inner_optimizer,
+    pseudo_gradient,
+)
+
+
+def _by_step(peers) -> dict[int, dict[str, dict]]:
+    steps: dict[int, dict[str, dict]] = defaultdict(dict)
+    for peer in peers:
+        for record in peer.records():
+            steps[record["outer_step"]][peer.name] = record
+    return steps
+
+
+def test_three_islands_train_one_model(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    args = ["--num-shards", "3", "--outer-steps", "6", "--target-group-size", "3"]
+    peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+
+    for peer in peers:
+        records = peer.records()
+        assert [r["outer_step"] for r in records] == list(range(1, 7))
+        merged_rounds = sum(r["partners"] > 0 for r in records)
+        assert merged_rounds >= 4, f"{peer.name} merged in only {merged_rounds} of 6 rounds"
+        assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.3
+        assert all(r["bytes_sent"] > 0 for r in records if r["partners"] > 0)
+
+    full_rounds = 0
+    for step, records in _by_step(peers).items():
+        if len(records) == 3 and all(r["partners"] == 2 for r in records.values()):
+            full_rounds += 1
+            digests = {r["anchor_digest"] for r in records.values()}
+            assert len(digests) == 1, f"islands disagree right after the all-island round {step}: {digests}"
+    assert full_rounds >= 3
+
+    anchors = [load_checkpoint(latest_checkpoint(peer.checkpoint_dir))["anchor"] for peer in peers]
+    last = _by_step(peers)[6]
+    if all(r["partners"] == 2 for r in last.values()):
+        for anchor in anchors[1:]:
+            torch.testing.assert_close(anchor, anchors[0], atol=1e-6, rtol=0)
+
+
+def reference_diloco(config, num_islands: int) -> torch.Tensor:
+    """Plain single-process DiLoCo: every island in every round, equal shards, mean of pseudo-gradients."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        shards = load_shards(config.data)
+        anchor_model = build_model(config.model, seed=config.train.seed)
+        outer = OuterOptimizer(
+            flatten_parameters(anchor_model.parameters()),
+            lr=config.train.outer_lr,
+            momentum=config.train.outer_momentum,
+        )
+        islands = []
+        for index in range(num_islands):
+            model = build_model(config.model, seed=config.train.seed)
+            optimizer, scheduler = make_inner_optimizer(
+                model, config.train.lr, config.train.weight_decay, config.train.warmup_steps
+            )
+            stream = BatchStream(
+                shards.train_shard(index, num_islands),
+                config.train.batch_size,
+                config.model.seq_len,
+                seed=data_seed(config.train.seed, index, ""),
+            )
+            islands.append((model, optimizer, scheduler, stream))
+        for _ in range(config.train.outer_steps):
+            deltas = []
+            for model, optimizer, scheduler, stream in islands:
+                for _ in range(config.train.inner_steps):
+                    inputs, targets = stream.next_batch()
+                    _, loss = model(inputs, targets)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                deltas.append(pseudo_gradient(outer.anchor.data, flatten_parameters(model.parameters())))
+            anchor = outer.step(torch.stack(deltas).mean(dim=0))
+            for model, *_ in islands:
+                assign_parameters_(model.parameters(), anchor)
+        return outer.anchor.data.clone()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_swarm_equals_reference_diloco(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    overrides = {"train.outer_steps": 3, "train.inner_steps": 5, "data.num_shards": 3}
+    args = ["--num-shards", "3", "--outer-steps", "3", "--inner-steps", "5"]
+    args += ["--min-group-size", "3", "--target-group-size", "3", "--averaging-timeout", "90"]
+    peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+        assert all(r["partners"] == 2 for r in peer.records()), peer.records()
+
+    expected = reference_diloco(load_config(TINY, overrides), num_islands=3)
+    for peer in peers:
+        anchor = load_checkpoint(latest_checkpoint(peer.checkpoint_dir))["anchor"]
+        difference = (anchor - expected).abs().max().item()
+        assert difference < 1e-4, f"{peer.name} differs from reference DiLoCo by {difference}"
+
+
+def test_late_joiner_starts_from_swarm_anchor(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    args = ["--outer-steps", "7", "--num-shards", "3"]
+    early = [local_swarm.peer(f"early-{i}", "--shard-index", str(i), *args) for i in range(2)]
+    wait_until(lambda: len(early[0].records()) >= 2, 180, "two outer steps of the early islands")
+    late = local_swarm.peer("late", "--shard-index", "2", *args)
+    for peer in [*early, late]:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+
+    first = late.records()[0]
+    assert first["start_outer_step"] >= 2, "the late joiner did not adopt the swarm's outer step"
+    donor_digests = {
+        r["anchor_digest"] for peer in early for r in peer.records() if r["outer_step"] == first["start_outer_step"]
+    }
+    assert first["start_digest"] in donor_digests, "late joiner's starting weights are not the swarm's anchor"
+    assert "starting from swarm state" in late.log_text()
+    assert late.records()[-1]["outer_step"] == 7
+
+
+def test_killed_island_does_not_stop_the_swarm(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    args = ["--outer-steps", "7", "--num-shards", "3", "--averaging-timeout", "8"]
+    peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
+    victim = peers[2]
+    wait_until(lambda: len(victim.records()) >= 2, 180, "two outer steps of the victim")
+    descendants = psutil.Process(victim.process.pid).children(recursive=True)
+    assert any(child.name() == "p2pd" for child in descendants), "expected the victim to own a p2pd daemon"
+    victim.process.send_signal(signal.SIGKILL)  # the peer alone, not its session: its children must follow
+    _, alive = psutil.wait_procs(descendants, timeout=10)
+    assert not alive, f"children of the killed island outlived it: {[p.name() for p in alive]}"
+
+    for peer in peers[:2]:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+        assert peer.records()[-1]["outer_step"] == 7
+        assert "Traceback" not in peer.log_text()
+
+
+def test_island_of_another_model_is_refused(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    good = local_swarm.peer("good", "--outer-steps", "6")
+    wait_until(lambda: len(good.records()) >= 1, 180, "the first island to train")
+    odd = local_swarm.peer("odd", "--outer-steps", "6", "--d-model", "48")
+    assert odd.wait(120) == 2
+    lines = [line for line in odd.log_text().splitlines() if "error" in line]
+    assert any("model mismatch" in line for line in lines), odd.log_text()[-2000:]
+    assert good.wait(240) == 0, good.log_text()[-3000:]
+    assert good.records()[-1]["outer_step"] == 6
+
+
+def test_unreachable_bootstrap_fails_fast(local_swarm: LocalSwarm) -> None:
+    with socket_port() as port:
+        maddr = f"/ip4/127.0.0.1/tcp/{port}/p2p/12D3KooWSY5iuuGuvHRpLGhuEZ3bCdWu75nYxJxcgpvrpuxJDRZV"
+    peer = local_swarm.peer("lonely", "--initial-peers", maddr, "--join-timeout", "20", join=False)
+    assert peer.wait(90) == 3
+    errors = [line for line in peer.log_text().splitlines() if line.startswith("p2p-diloco peer: error")]
+    assert len(errors) == 1 and "could not reach any initial peer" in errors[0], peer.log_text()[-2000:]
+
+
+def socket_port():
+    """A context manager yielding a TCP port that nothing listens on once it exits."""
+    import contextlib
+    import socket
+
+    @contextlib.contextmanager
+    def reserve():
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            yield sock.getsockname()[1]
+
+    return reserve()
