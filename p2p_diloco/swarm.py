@@ -35,12 +35,9 @@ def spawn(args: list[str], log_path: Path | None = None, **kwargs) -> subprocess
 
 
 def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
-    """SIGTERM a child's whole session, then SIGKILL whatever is left after `grace` seconds."""
+    """SIGTERM a child (it shuts its own children down), then SIGKILL its whole session after `grace` seconds."""
     if process.poll() is None:
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
+        process.send_signal(signal.SIGTERM)
         try:
             process.wait(grace)
         except subprocess.TimeoutExpired:

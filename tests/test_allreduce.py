@@ -164,6 +164,7 @@ def test_member_killed_mid_round_never_leaves_a_partial_average(members: Members
         else:  # the victim had sent everything before it died: a complete average is valid
             assert result["merged"]["sum"] == pytest.approx(full_mean, abs=1e-1)
             outcomes.append("complete")
+    print("survivor outcomes:", outcomes)
     assert len(set(outcomes)) == 1, f"survivors disagree on the round: {outcomes}"
 
 

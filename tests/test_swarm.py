@@ -162,14 +162,14 @@ def test_killed_island_does_not_stop_the_swarm(local_swarm: LocalSwarm) -> None:
 
 def test_island_of_another_model_is_refused(local_swarm: LocalSwarm) -> None:
     local_swarm.bootstrap()
-    good = local_swarm.peer("good", "--outer-steps", "6")
+    good = local_swarm.peer("good", "--outer-steps", "4", "--averaging-timeout", "3")
     wait_until(lambda: len(good.records()) >= 1, 180, "the first island to train")
-    odd = local_swarm.peer("odd", "--outer-steps", "6", "--d-model", "48")
+    odd = local_swarm.peer("odd", "--outer-steps", "4", "--d-model", "48")
     assert odd.wait(120) == 2
     lines = [line for line in odd.log_text().splitlines() if "error" in line]
     assert any("model mismatch" in line for line in lines), odd.log_text()[-2000:]
     assert good.wait(240) == 0, good.log_text()[-3000:]
-    assert good.records()[-1]["outer_step"] == 6
+    assert good.records()[-1]["outer_step"] == 4
 
 
 def test_unreachable_bootstrap_fails_fast(local_swarm: LocalSwarm) -> None:
