@@ -48,13 +48,13 @@ def run_bootstrap(
     )
     try:
         maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
+        if maddrs_file:
+            write_lines_atomically(maddrs_file, maddrs)
         print(f"bootstrap peer id: {dht.peer_id.to_base58()}", flush=True)
         for maddr in maddrs:
             print(f"MADDR {maddr}", flush=True)
         print("Start peers with:", flush=True)
         print(f"  p2p-diloco peer --initial-peers {' '.join(maddrs)} --run-id {run_id}", flush=True)
-        if maddrs_file:
-            write_lines_atomically(maddrs_file, maddrs)
         stop.wait()
     finally:
         shutdown_dht(dht)

@@ -343,6 +343,7 @@ class Island:
                     "anchor_digest": digest,
                     "start_digest": start_digest if rounds == 0 else None,
                     "start_outer_step": start_step,
+                    "join_s": self.join_s if rounds == 0 else None,
                 }
                 metrics.write(record)
                 self._save()

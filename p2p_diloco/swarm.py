@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from p2p_diloco.config import load_config
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.process import die_with_parent, kill_process_tree
 from p2p_diloco.report import format_summary, plot_losses, summarize
@@ -102,6 +103,7 @@ def run_local_swarm(
     """Run the swarm to completion (or Ctrl-C), print a per-island summary and write metrics and a loss plot."""
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    total_steps = outer_steps or load_config(config).train.outer_steps
     common = ["--config", config] if config else []
     if outer_steps:
         common += ["--outer-steps", str(outer_steps)]
@@ -160,7 +162,7 @@ def run_local_swarm(
             for name, path in metrics_paths.items():
                 records = read_metrics(path) if path.exists() else []
                 for record in records[seen[name] :]:
-                    _print_progress(name, record, outer_steps)
+                    _print_progress(name, record, total_steps)
                 seen[name] = len(records)
             if all(child.poll() is not None for child in children.values()):
                 break
