@@ -80,6 +80,14 @@ class TrainConfig:
     """Seeds the model initialisation (shared by the run) and this island's batch order."""
     threads: int = 1
     """torch intra-op threads per island; keep small when several islands share a machine."""
+    momentum_every: int = 1
+    """Delayed Nesterov: update the outer momentum only every N outer steps (1 = plain Nesterov)."""
+    slowdown: float = 1.0
+    """Make this island this many times slower (for experiments with heterogeneous islands)."""
+    dynamic_steps: bool = False
+    """Dynamic local updates: a slower island runs proportionally fewer inner steps to arrive with the others."""
+    time_budget_s: float = 0.0
+    """Stop after this many seconds of training (0: no limit); for fixed wall-clock experiments."""
 
 
 @dataclass
@@ -98,14 +106,28 @@ class NetworkConfig:
     """Key file for a stable peer ID, created if missing."""
     target_group_size: int = 8
     """Largest averaging group; a full group starts at once, a smaller one after min_matchmaking_time."""
-    min_group_size: int = 2
-    """Smallest averaging group; set it to the swarm size to force every island into every round."""
-    min_matchmaking_time: float = 2.0
-    """Seconds a group leader waits for more islands before averaging starts."""
-    request_timeout: float = 1.0
+    quorum: int = 1
+    """K: contributions (own included) needed before merging; 1 never waits, the swarm size is synchronous."""
+    grace: str = "adaptive"
+    """Grace window after the quorum: 'adaptive' (learned from partners' arrival times) or 'fixed' (grace_s)."""
+    grace_s: float = 2.0
+    """The fixed grace window, or the adaptive window's starting value, in seconds."""
+    grace_max_s: float = 10.0
+    """Upper bound of the grace window."""
+    grace_gamma: float = 0.5
+    """Adaptive window: at most this fraction of the island's own compute time per round."""
+    merge: str = "tokens"
+    """Merge rule: 'tokens' (w = c_tokens * c_tokens / c_steps), 'mean', or 'rda' (radial-directional)."""
+    max_staleness: int = 4
+    """A contribution more outer steps behind the swarm than this is rejected (the island resyncs instead)."""
+    staleness_discount: float = 0.5
+    """A contribution s steps behind the swarm is weighted by discount**s."""
+    min_matchmaking_time: float = 1.0
+    """Shortest grace window: seconds a group leader waits for more islands before averaging starts."""
+    request_timeout: float = 0.8
     """Seconds to wait for a matchmaking reply; must be below min_matchmaking_time."""
-    averaging_timeout: float = 20.0
-    """Bounded window to find partners; past it the island applies its own pseudo-gradient."""
+    averaging_timeout: float = 30.0
+    """Bound on waiting for a quorum; past it the island applies its own pseudo-gradient."""
     allreduce_timeout: float = 60.0
     """Seconds an all-reduce may take once a group is formed."""
     next_chunk_timeout: float = 5.0
@@ -213,8 +235,14 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError(f"train.outer_momentum={train.outer_momentum} must be in [0, 1)")
     if network.request_timeout >= network.min_matchmaking_time:
         raise ConfigError("network.request_timeout must be smaller than network.min_matchmaking_time")
-    if network.min_group_size < 1 or network.target_group_size < network.min_group_size:
-        raise ConfigError("network.target_group_size must be >= network.min_group_size >= 1")
+    if network.quorum < 1 or network.target_group_size < network.quorum:
+        raise ConfigError("network.target_group_size must be >= network.quorum >= 1")
+    if network.grace not in ("adaptive", "fixed"):
+        raise ConfigError(f"network.grace must be 'adaptive' or 'fixed', got {network.grace!r}")
+    if network.merge not in ("tokens", "mean", "rda"):
+        raise ConfigError(f"network.merge must be 'tokens', 'mean' or 'rda', got {network.merge!r}")
+    if train.slowdown < 1 or train.momentum_every < 1:
+        raise ConfigError("train.slowdown and train.momentum_every must be >= 1")
     if "." in network.run_id or not network.run_id:
         raise ConfigError(f"run id {network.run_id!r} must be non-empty and contain no '.'")
     if config.data.num_shards < 1:

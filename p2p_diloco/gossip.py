@@ -15,13 +15,14 @@ from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import CompressionBase, NoCompression, deserialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_logger
+from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
@@ -142,6 +143,12 @@ class ExchangeResult:
     partners: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Gathered metadata of the other islands in the group, by peer id."""
     wait_s: float = 0.0
+    matchmaking_s: float = 0.0
+    """Seconds from the start of the round until the group was assembled."""
+    grace_window_s: float | None = None
+    """The grace window this island allowed."""
+    own_weight: float | None = None
+    """This island's weight in the merge."""
     bytes_sent: float = 0.0
     bytes_recv: float = 0.0
     error: str | None = None
@@ -158,7 +165,7 @@ class GossipExchange:
         size: int,
         state_provider: StateProvider,
         target_group_size: int,
-        min_group_size: int,
+        quorum: int,
         min_matchmaking_time: float,
         request_timeout: float,
         allreduce_timeout: float,
@@ -172,7 +179,9 @@ class GossipExchange:
             state_provider=state_provider,
             start=True,
             target_group_size=target_group_size,
-            min_group_size=min_group_size,
+            # hivemind assembles a group of one at once, skipping the grace window; the island merging
+            # alone is the timeout path instead.
+            min_group_size=max(2, quorum),
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout,
@@ -182,6 +191,7 @@ class GossipExchange:
             shutdown_timeout=3.0,
         )
         self.min_matchmaking_time = min_matchmaking_time
+        self.result_timeout = allreduce_timeout + 30.0
 
     @property
     def peer_id(self) -> str:
@@ -189,23 +199,44 @@ class GossipExchange:
         return self.averager.peer_id.to_base58()
 
     def average(
-        self, pseudo_gradient: torch.Tensor, metadata: dict[str, Any], weight: float, timeout: float
+        self,
+        pseudo_gradient: torch.Tensor,
+        metadata: dict[str, Any],
+        *,
+        weight: float,
+        grace_s: float,
+        timeout: float,
     ) -> ExchangeResult:
-        """One bounded round: returns the group average, or merged=None if no partner came or the round failed."""
+        """One bounded round: the group's weighted average, or merged=None if no partner came or the round failed.
+
+        The island leads a group for `grace_s` seconds (islands that arrive meanwhile join it), or joins a group
+        another island leads; `timeout` bounds the whole search when a quorum above one is required.
+        """
         sent0, recv0 = self.averager.byte_counters.read()
         start = time.monotonic()
         with self.averager.get_tensors() as tensors:
             tensors[0].copy_(pseudo_gradient.reshape(-1))
         result = ExchangeResult(merged=None)
+        gathered = None
         try:
-            timeout = max(timeout, self.min_matchmaking_time + 0.5)
-            gathered = self.averager.step(gather=metadata, weight=weight, timeout=timeout, allow_retries=True)
+            grace_s = max(grace_s, self.min_matchmaking_time)
+            control = self.averager.step(
+                gather=metadata,
+                weight=weight,
+                scheduled_time=get_dht_time() + grace_s,
+                timeout=max(timeout, grace_s + 1.0),
+                allow_retries=True,
+                wait=False,
+            )
+            while not control.done() and control.stage != AveragingStage.RUNNING_ALLREDUCE:
+                time.sleep(0.005)  # the stage lives in shared memory; hivemind offers no event for it
+            result.matchmaking_s = time.monotonic() - start
+            gathered = control.result(timeout=self.result_timeout)
         except Exception as error:  # hivemind raises assorted errors for a failed round: all mean "discard"
-            gathered, result.error = None, f"{type(error).__name__}: {error}"
-        if gathered:
+            result.error = f"{type(error).__name__}: {error}"
+        if gathered and len(gathered) > 1:
             with self.averager.get_tensors() as tensors:
-                merged = tensors[0].clone()
-            result.merged = merged
+                result.merged = tensors[0].clone()
             result.partners = {
                 peer.to_base58(): data for peer, data in gathered.items() if peer != self.averager.peer_id
             }

@@ -11,15 +11,17 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from hivemind.utils import get_dht_time
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import BatchStream, evaluate, load_shards
 from p2p_diloco.gossip import ExchangeResult, GossipExchange
-from p2p_diloco.merge import is_finite
+from p2p_diloco.grace import GraceWindow
+from p2p_diloco.merge import contribution_weight, is_finite, rda_decode, rda_encode
 from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.network import ModelMismatchError, join_dht, register_model, shutdown_dht
+from p2p_diloco.network import ModelMismatchError, announce_island, join_dht, shutdown_dht
 from p2p_diloco.outer import (
     OuterOptimizer,
     assign_parameters_,
@@ -28,6 +30,7 @@ from p2p_diloco.outer import (
     pseudo_gradient,
     state_digest,
 )
+from p2p_diloco.staleness import StalenessRule
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +46,9 @@ class RoundOutcome:
 
 
 def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
-    """Identifies the architecture: parameter names and shapes plus the model config (n_heads changes no shape)."""
-    text = model_fingerprint(model) + json.dumps(asdict(config.model), sort_keys=True)
+    """Identifies what islands must share: parameter names and shapes, the model config, the exchange schema."""
+    schema = "rda" if config.network.merge == "rda" else "flat"
+    text = model_fingerprint(model) + json.dumps(asdict(config.model), sort_keys=True) + schema
     return f"{zlib.crc32(text.encode()):08x}{model_fingerprint(model)[:8]}"
 
 
@@ -70,16 +74,25 @@ class Island:
     # ----- state served to and loaded from peers -------------------------------------------------------
     def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         with self._lock:
-            anchor = self.outer.anchor.data.clone()
-            momentum = self.outer.momentum().clone()
+            tensors = [tensor.clone() for tensor in self._outer_tensors()]
             step = self.outer_step
         metadata = {
             "outer_step": step,
             "fingerprint": self.fingerprint,
-            "digest": state_digest(anchor, momentum),
+            "digest": state_digest(*tensors),
             "run_id": self.config.network.run_id,
         }
-        return metadata, [anchor, momentum]
+        return metadata, tensors
+
+    def _load_outer(self, tensors: list[torch.Tensor], outer_step: int) -> None:
+        """Replace the outer state (caller holds the lock)."""
+        anchor, momentum, *rest = tensors
+        self.outer.load(anchor, momentum)
+        every = self.outer.momentum_every
+        if every > 1:
+            self.outer.pending_count = outer_step % every
+            self.outer.pending = rest[0].clone() if rest and self.outer.pending_count else None
+        self.outer_step = outer_step
 
     def _adopt_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor], source: str) -> None:
         if metadata.get("fingerprint") != self.fingerprint:
@@ -88,10 +101,8 @@ class Island:
                 f"{metadata.get('fingerprint')}, this island's is {self.fingerprint}; "
                 "use the same [model] config as the swarm or another --run-id"
             )
-        anchor, momentum = tensors
         with self._lock:
-            self.outer.load(anchor, momentum)
-            self.outer_step = int(metadata["outer_step"])
+            self._load_outer(tensors, int(metadata["outer_step"]))
         assign_parameters_(self.model.parameters(), self.outer.anchor.data)
 
     # ----- setup -------------------------------------------------------------------------------------
@@ -105,7 +116,19 @@ class Island:
             flatten_parameters(self.model.parameters()),
             lr=config.train.outer_lr,
             momentum=config.train.outer_momentum,
+            momentum_every=config.train.momentum_every,
         )
+        self.tensor_sizes = [parameter.numel() for parameter in self.model.parameters()]
+        network = config.network
+        self.grace = GraceWindow(
+            mode=network.grace,
+            initial_s=network.grace_s,
+            min_s=network.min_matchmaking_time,
+            max_s=network.grace_max_s,
+            gamma=network.grace_gamma,
+        )
+        self.staleness_rule = StalenessRule(network.max_staleness, network.staleness_discount)
+        self.step_time_s: float | None = None
         self.inner_optimizer, self.scheduler = make_inner_optimizer(
             self.model, config.train.lr, config.train.weight_decay, config.train.warmup_steps
         )
@@ -118,14 +141,15 @@ class Island:
             return
         self.dht = join_dht(network)
         self.peer_id = self.dht.peer_id.to_base58()
-        register_model(self.dht, network.run_id, self.peer_id, self.fingerprint, check=True)
+        self._announce(check=True)
+        extra = len(self.tensor_sizes) if network.merge == "rda" else 0
         self.exchange = GossipExchange(
             self.dht,
             run_id=network.run_id,
-            size=self.outer.anchor.numel(),
+            size=self.outer.anchor.numel() + extra,
             state_provider=self._state_for_peers,
             target_group_size=network.target_group_size,
-            min_group_size=network.min_group_size,
+            quorum=network.quorum,
             min_matchmaking_time=network.min_matchmaking_time,
             request_timeout=network.request_timeout,
             allreduce_timeout=network.allreduce_timeout,
@@ -157,8 +181,7 @@ class Island:
 
     def _load_local(self, checkpoint: dict[str, Any]) -> None:
         with self._lock:
-            self.outer.load(checkpoint["anchor"], checkpoint["momentum"])
-            self.outer_step = int(checkpoint["outer_step"])
+            self._load_outer(checkpoint["outer_tensors"], int(checkpoint["outer_step"]))
         assign_parameters_(self.model.parameters(), self.outer.anchor.data)
         self.inner_optimizer.load_state_dict(checkpoint["inner_optimizer"])
         self.scheduler.load_state_dict(checkpoint["scheduler"])
@@ -172,7 +195,8 @@ class Island:
             return
         with self._lock:
             state = {
-                **self.outer.state_dict(),
+                "anchor": self.outer.anchor.data.clone(),
+                "outer_tensors": [tensor.clone() for tensor in self._outer_tensors()],
                 "outer_step": self.outer_step,
                 "fingerprint": self.fingerprint,
                 "inner_optimizer": self.inner_optimizer.state_dict(),
@@ -184,11 +208,26 @@ class Island:
         save_checkpoint(config.checkpoint_dir, state, self.outer_step)
 
     # ----- training ----------------------------------------------------------------------------------
-    def _inner_steps(self) -> tuple[float, int]:
+    def _announce(self, *, check: bool) -> dict[str, dict[str, Any]]:
+        """Tell the run who we are and where we are; returns what the other islands announced."""
+        info = {"fingerprint": self.fingerprint, "outer_step": self.outer_step, "step_time_s": self.step_time_s}
+        return announce_island(self.dht, self.config.network.run_id, self.peer_id, info, check=check)
+
+    def _planned_inner_steps(self, swarm: dict[str, dict[str, Any]]) -> int:
+        """H, or with dynamic local updates floor(speed / fastest speed * H) so slow islands arrive with the rest."""
+        steps = self.config.train.inner_steps
+        if not self.config.train.dynamic_steps or not self.step_time_s:
+            return steps
+        times = [info["step_time_s"] for info in swarm.values() if info.get("step_time_s")] + [self.step_time_s]
+        return max(1, int(steps * min(times) / self.step_time_s))
+
+    def _inner_steps(self, steps: int) -> tuple[float, int]:
         config = self.config
         self.model.train()
         losses = []
-        for _ in range(config.train.inner_steps):
+        start = time.monotonic()
+        for _ in range(steps):
+            step_start = time.monotonic()
             inputs, targets = self.stream.next_batch()
             _, loss = self.model(inputs, targets)
             self.inner_optimizer.zero_grad(set_to_none=True)
@@ -198,26 +237,39 @@ class Island:
             self.inner_optimizer.step()
             self.scheduler.step()
             losses.append(loss.item())
-        steps = config.train.inner_steps
+            if config.train.slowdown > 1:  # emulate slower hardware for heterogeneity experiments
+                time.sleep((config.train.slowdown - 1) * (time.monotonic() - step_start))
+        self.step_time_s = (time.monotonic() - start) / steps
         self.inner_steps_total += steps
         self.tokens += steps * self.stream.tokens_per_batch
         return sum(losses) / len(losses), steps * self.stream.tokens_per_batch
 
-    def _merge(self, delta: torch.Tensor, tokens: int) -> tuple[torch.Tensor, ExchangeResult, RoundOutcome]:
+    def _merge(
+        self, delta: torch.Tensor, tokens: int, steps: int, staleness: int, ready: float, compute_s: float
+    ) -> tuple[torch.Tensor, ExchangeResult, RoundOutcome]:
         """Average with ready partners; fall back to the island's own pseudo-gradient when that fails."""
         network = self.config.network
+        if self.exchange is None:
+            return delta, ExchangeResult(merged=None), RoundOutcome(0, False, False, "solo")
+        factor = self.staleness_rule.factor(staleness)
+        weight = contribution_weight(network.merge, tokens, steps) * (factor or 0.0)
         with self._lock:
-            digest = state_digest(self.outer.anchor.data, self.outer.momentum())
+            digest = state_digest(*self._outer_tensors())
         metadata = {
             "outer_step": self.outer_step,
             "digest": digest,
             "fingerprint": self.fingerprint,
             "tokens": tokens,
-            "steps": self.config.train.inner_steps,
+            "steps": steps,
+            "weight": weight,
+            "ready": ready,
         }
-        if self.exchange is None:
-            return delta, ExchangeResult(merged=None), RoundOutcome(0, False, False, "solo")
-        result = self.exchange.average(delta, metadata, weight=1.0, timeout=network.averaging_timeout)
+        payload = rda_encode(delta, self.tensor_sizes) if network.merge == "rda" else delta
+        grace = self.grace.current()
+        timeout = network.averaging_timeout if network.quorum > 1 else grace + 0.5
+        result = self.exchange.average(payload, metadata, weight=weight, grace_s=grace, timeout=timeout)
+        result.grace_window_s, result.own_weight = grace, weight
+        self.grace.observe([data.get("ready", ready) - ready for data in result.partners.values()], compute_s)
         note = result.error
         merged = result.merged
         if merged is not None:
@@ -230,10 +282,28 @@ class Island:
                 note = "NaN or inf in the merged update from a peer: round discarded"
                 logger.warning(note)
                 merged = None
+            elif network.merge == "rda":
+                merged = rda_decode(merged, self.tensor_sizes)
         if merged is None:
             result.partners = {}
             return delta, result, RoundOutcome(0, False, False, note)
         return merged, result, RoundOutcome(len(result.partners), True, False, None)
+
+    def _outer_tensors(self) -> list[torch.Tensor]:
+        """The outer state that islands on one lineage share bit for bit."""
+        tensors = [self.outer.anchor.data, self.outer.momentum()]
+        if self.outer.momentum_every > 1:
+            pending = self.outer.pending
+            tensors += [torch.zeros_like(self.outer.anchor.data) if pending is None else pending]
+        return tensors
+
+    def _catch_up(self, staleness: int) -> str:
+        """A contribution too stale to merge: drop local progress and download the swarm's current state."""
+        state = self.exchange.load_state(timeout=self.config.network.state_timeout)
+        if state is None or int(state[0]["outer_step"]) <= self.outer_step:
+            return f"{staleness} steps stale and no newer donor answered"
+        self._adopt_state(*state, source="a donor")
+        return f"{staleness} steps stale: contribution rejected, resynced to outer step {self.outer_step}"
 
     def _resync_if_off_lineage(self, result: ExchangeResult, merged: torch.Tensor, pre_digest: str) -> bool:
         """After a merge, an island whose anchor differs from the group's canonical one downloads it."""
@@ -256,13 +326,12 @@ class Island:
             return False
         if metadata.get("digest") == canonical[1]:  # donor had not applied this round yet
             with self._lock:
-                self.outer.load(*tensors)
+                self._load_outer(tensors, canonical[0])
                 self.outer.step(merged)
                 self.outer_step = canonical[0] + 1
         else:
             with self._lock:
-                self.outer.load(*tensors)
-                self.outer_step = int(metadata["outer_step"])
+                self._load_outer(tensors, int(metadata["outer_step"]))
         logger.info(f"resynchronised anchor from {donors[0][:12]}... at outer step {self.outer_step}")
         return True
 
@@ -282,7 +351,7 @@ class Island:
                 seed=data_seed(config.train.seed, config.data.shard_index, self.peer_id),
             )
             origin = self._restore()
-            start_digest = state_digest(self.outer.anchor.data, self.outer.momentum())
+            start_digest = state_digest(*self._outer_tensors())
             logger.info(
                 f"island {self.peer_id} joined run {config.network.run_id!r} in {self.join_s:.1f}s; "
                 f"{count_parameters(self.model):,} parameters, starting from {origin} "
@@ -291,25 +360,45 @@ class Island:
             metrics_base = {"peer_id": self.peer_id, "run_id": config.network.run_id}
             start_step = self.outer_step
             rounds = 0
+            train_start = time.monotonic()
+            swarm = self._announce(check=False) if self.dht is not None else {}
             while self.outer_step < config.train.outer_steps:
+                budget = config.train.time_budget_s
+                if budget and time.monotonic() - train_start >= budget:
+                    logger.info(f"time budget of {budget:.0f}s used up")
+                    break
                 round_start = time.monotonic()
-                loss, tokens = self._inner_steps()
+                steps = self._planned_inner_steps(swarm)
+                loss, tokens = self._inner_steps(steps)
                 compute_s = time.monotonic() - round_start
+                ready = get_dht_time()
                 local = flatten_parameters(self.model.parameters())
                 delta = pseudo_gradient(self.outer.anchor.data, local)
                 if not is_finite(delta):
                     logger.warning("local training produced NaN/inf; dropping this round's local progress")
                     delta = torch.zeros_like(delta)
+                swarm = self._announce(check=False) if self.dht is not None else {}
+                swarm_step = max([self.outer_step] + [int(info.get("outer_step", 0)) for info in swarm.values()])
+                staleness = swarm_step - self.outer_step
                 with self._lock:
-                    pre_digest = state_digest(self.outer.anchor.data, self.outer.momentum())
-                merged, result, outcome = self._merge(delta, tokens)
-                with self._lock:
-                    self.outer.step(merged)
-                    self.outer_step += 1
-                resync_start = time.monotonic()
-                if outcome.merged:
-                    outcome.resynced = self._resync_if_off_lineage(result, merged, pre_digest)
-                wait_s = result.wait_s + (time.monotonic() - resync_start)
+                    pre_digest = state_digest(*self._outer_tensors())
+                if self.exchange is not None and self.staleness_rule.factor(staleness) is None:
+                    wait_start = time.monotonic()
+                    outcome = RoundOutcome(0, False, True, self._catch_up(staleness))
+                    result = ExchangeResult(merged=None, wait_s=time.monotonic() - wait_start)
+                    if not outcome.note.startswith(f"{staleness} steps stale:"):
+                        with self._lock:  # nobody newer answered: keep going on our own
+                            self.outer.step(delta)
+                            self.outer_step += 1
+                else:
+                    merged, result, outcome = self._merge(delta, tokens, steps, staleness, ready, compute_s)
+                    with self._lock:
+                        self.outer.step(merged)
+                        self.outer_step += 1
+                    if outcome.merged:
+                        resync_start = time.monotonic()
+                        outcome.resynced = self._resync_if_off_lineage(result, merged, pre_digest)
+                        result.wait_s += time.monotonic() - resync_start
                 assign_parameters_(self.model.parameters(), self.outer.anchor.data)
                 if self.exchange is not None:
                     self.exchange.set_state_priority(float(self.outer_step))
@@ -321,7 +410,8 @@ class Island:
                     config.data.eval_batches,
                 )
                 with self._lock:
-                    digest = state_digest(self.outer.anchor.data, self.outer.momentum())
+                    digest = state_digest(*self._outer_tensors())
+                partners_meta = list(result.partners.values())
                 record = {
                     **metrics_base,
                     "outer_step": self.outer_step,
@@ -330,10 +420,16 @@ class Island:
                     "eval_loss": eval_loss,
                     "tokens": self.tokens,
                     "partners": outcome.partners,
-                    "wait_s": wait_s,
+                    "wait_s": result.wait_s,
                     "bytes_sent": result.bytes_sent,
                     "bytes_recv": result.bytes_recv,
                     "time": time.time(),
+                    "quorum": outcome.partners + 1,
+                    "grace_s": result.matchmaking_s,
+                    "grace_window_s": getattr(result, "grace_window_s", None),
+                    "merge_weights": [result.own_weight] + [d.get("weight") for d in partners_meta],
+                    "staleness": [staleness] + [swarm_step - int(d["outer_step"]) for d in partners_meta],
+                    "inner_steps": steps,
                     "compute_s": compute_s,
                     "round_s": time.monotonic() - round_start,
                     "group": sorted(result.partners),
@@ -347,12 +443,10 @@ class Island:
                 }
                 metrics.write(record)
                 self._save()
-                if self.dht is not None:
-                    register_model(self.dht, config.network.run_id, self.peer_id, self.fingerprint, check=False)
                 rounds += 1
                 logger.info(
                     f"outer step {self.outer_step}/{config.train.outer_steps}: loss {loss:.4f} "
-                    f"eval {eval_loss:.4f} partners {outcome.partners} wait {wait_s:.2f}s"
+                    f"eval {eval_loss:.4f} partners {outcome.partners} wait {result.wait_s:.2f}s"
                     + (f" ({outcome.note})" if outcome.note else "")
                 )
             return rounds

@@ -33,3 +33,50 @@ def weighted_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float
 def is_finite(tensor: torch.Tensor) -> bool:
     """True when every value is finite: a NaN or inf update from a peer must never be applied."""
     return bool(torch.isfinite(tensor).all())
+
+
+MERGE_RULES = ("mean", "tokens", "rda")
+
+
+def contribution_weight(rule: str, c_tokens: float, c_steps: float) -> float:
+    """An island's weight in the merge: 1 for 'mean', else c_tokens * (c_tokens / c_steps) (Decoupled DiLoCo)."""
+    if rule == "mean":
+        return 1.0
+    if c_steps <= 0 or c_tokens <= 0:
+        raise MergeError(f"a contribution needs positive c_tokens and c_steps, got {c_tokens} and {c_steps}")
+    return float(c_tokens) * (float(c_tokens) / float(c_steps))
+
+
+def _split(flat: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    if sum(sizes) > flat.numel():
+        raise MergeError(f"tensor sizes add up to {sum(sizes)}, the vector has {flat.numel()} values")
+    return list(torch.split(flat[: sum(sizes)], list(sizes)))
+
+
+def rda_encode(delta: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Per tensor: the unit direction, then all the norms at the end, so a weighted mean of encodings gives RDA."""
+    pieces = _split(delta.float(), sizes)
+    norms = torch.stack([piece.norm() for piece in pieces])
+    directions = [piece / norm if norm > 0 else torch.zeros_like(piece) for piece, norm in zip(pieces, norms)]
+    return torch.cat([*directions, norms])
+
+
+def rda_decode(encoded: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
+    """Mean norm times the normalised mean direction, per tensor."""
+    directions = _split(encoded, sizes)
+    norms = encoded[sum(sizes) :]
+    if norms.numel() != len(sizes):
+        raise MergeError(f"an RDA encoding of {len(sizes)} tensors needs {len(sizes)} norms, got {norms.numel()}")
+    out = []
+    for direction, norm in zip(directions, norms):
+        length = direction.norm()
+        out.append(direction * (norm / length) if length > 0 else torch.zeros_like(direction))
+    return torch.cat(out)
+
+
+def radial_directional_average(
+    contributions: Sequence[torch.Tensor], weights: Sequence[float] | None, sizes: Sequence[int]
+) -> torch.Tensor:
+    """Radial-Directional Averaging: weighted mean of norms times normalised weighted mean of directions."""
+    encoded = [rda_encode(delta, sizes) for delta in contributions]
+    return rda_decode(weighted_mean(encoded, weights), sizes)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from hivemind.utils import get_dht_time
 
@@ -12,7 +13,8 @@ from p2p_diloco.process import OrphanFreeDHT
 
 logger = logging.getLogger(__name__)
 
-MODEL_REGISTRY_TTL = 120.0
+# Long enough to outlive a slow round, short enough that a dead island soon stops counting.
+ISLAND_ANNOUNCE_TTL = 60.0
 
 
 class JoinError(RuntimeError):
@@ -79,27 +81,34 @@ def shutdown_dht(dht: OrphanFreeDHT) -> None:
         dht.kill()
 
 
-def register_model(dht: OrphanFreeDHT, run_id: str, peer_id: str, fingerprint: str, *, check: bool) -> None:
-    """Announce this island's model under the run id; with check, refuse to join a run training another model."""
-    key = f"{run_id}.models"
+def read_swarm(dht: OrphanFreeDHT, run_id: str, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
+    """What every live island of the run announced: fingerprint, outer step, seconds per inner step."""
+    found = dht.get(f"{run_id}.islands", latest=True, return_future=True).result(timeout=timeout)
+    entries = found.value if found is not None else {}
+    return {
+        str(subkey): item.value
+        for subkey, item in (entries or {}).items()
+        if isinstance(getattr(item, "value", None), dict)
+    }
+
+
+def announce_island(
+    dht: OrphanFreeDHT, run_id: str, peer_id: str, info: dict[str, Any], *, check: bool
+) -> dict[str, dict[str, Any]]:
+    """Announce this island under the run id and return the others; with check, refuse a run of another model."""
+    others = {peer: data for peer, data in read_swarm(dht, run_id).items() if peer != peer_id}
     if check:
-        found = dht.get(key, latest=True, return_future=True).result(timeout=30)
-        entries = found.value if found is not None else {}
-        others = {
-            subkey: item.value
-            for subkey, item in (entries or {}).items()
-            if subkey != peer_id and getattr(item, "value", None) is not None
-        }
-        foreign = sorted({value for value in others.values() if value != fingerprint})
+        foreign = sorted({str(data.get("fingerprint")) for data in others.values()} - {info["fingerprint"]})
         if foreign:
             raise ModelMismatchError(
                 f"model mismatch: run {run_id!r} already trains model {', '.join(foreign)}, this island's model "
-                f"is {fingerprint}; use the swarm's [model] config or another --run-id"
+                f"is {info['fingerprint']}; use the swarm's [model] config or another --run-id"
             )
     dht.store(
-        key,
+        f"{run_id}.islands",
         subkey=peer_id,
-        value=fingerprint,
-        expiration_time=get_dht_time() + MODEL_REGISTRY_TTL,
+        value=info,
+        expiration_time=get_dht_time() + ISLAND_ANNOUNCE_TTL,
         return_future=True,
     ).result(timeout=30)
+    return others

@@ -35,18 +35,39 @@ def pseudo_gradient(anchor: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 
 class OuterOptimizer:
-    """SGD with Nesterov momentum on the flat anchor; its momentum is kept across outer steps."""
+    """SGD with Nesterov momentum on the flat anchor; its momentum is kept across outer steps.
 
-    def __init__(self, anchor: torch.Tensor, lr: float = 0.7, momentum: float = 0.9):
+    With momentum_every = N > 1 it is Delayed Nesterov (Liu et al. 2024): every step uses the current momentum
+    for the look-ahead, but the momentum itself absorbs the mean of the buffered pseudo-gradients only every N
+    steps, which undoes the distortion of many small asynchronous updates.
+    """
+
+    def __init__(self, anchor: torch.Tensor, lr: float = 0.7, momentum: float = 0.9, momentum_every: int = 1):
+        if momentum_every < 1:
+            raise ValueError(f"momentum_every must be >= 1, got {momentum_every}")
         self.anchor = nn.Parameter(anchor.detach().float().clone(), requires_grad=False)
         self.optimizer = torch.optim.SGD([self.anchor], lr=lr, momentum=momentum, nesterov=momentum > 0)
+        self.lr, self.beta, self.momentum_every = lr, momentum, momentum_every
+        self.pending: torch.Tensor | None = None
+        self.pending_count = 0
 
     @torch.no_grad()
     def step(self, outer_gradient: torch.Tensor) -> torch.Tensor:
         """Apply one outer step with the (merged) pseudo-gradient and return the new anchor."""
-        self.anchor.grad = outer_gradient.detach().float().reshape_as(self.anchor).clone()
-        self.optimizer.step()
-        self.anchor.grad = None
+        gradient = outer_gradient.detach().float().reshape_as(self.anchor)
+        if self.momentum_every == 1:
+            self.anchor.grad = gradient.clone()
+            self.optimizer.step()
+            self.anchor.grad = None
+            return self.anchor.data
+        self.pending = gradient.clone() if self.pending is None else self.pending.add_(gradient)
+        self.pending_count += 1
+        buffer = self.momentum()
+        if self.pending_count == self.momentum_every:
+            buffer = buffer.mul(self.beta).add_(self.pending, alpha=1.0 / self.pending_count)
+            self.optimizer.state[self.anchor]["momentum_buffer"] = buffer
+            self.pending, self.pending_count = None, 0
+        self.anchor.data.add_(gradient + self.beta * buffer, alpha=-self.lr)
         return self.anchor.data
 
     def momentum(self) -> torch.Tensor:

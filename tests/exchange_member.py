@@ -45,7 +45,7 @@ def main() -> None:
         size=args.size,
         state_provider=lambda: ({}, []),
         target_group_size=args.group_size,
-        min_group_size=args.group_size,
+        quorum=args.group_size,
         min_matchmaking_time=2.0,
         request_timeout=1.0,
         allreduce_timeout=30.0,

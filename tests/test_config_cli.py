@@ -151,7 +151,7 @@ def test_missing_file(tmp_path):
         ({"network.run_id": ""}, "run id"),
         ({"train.inner_steps": 0}, "inner_steps"),
         ({"train.outer_momentum": 1.0}, "outer_momentum"),
-        ({"network.min_group_size": 4, "network.target_group_size": 2}, "group_size"),
+        ({"network.quorum": 4, "network.target_group_size": 2}, "quorum"),
         ({"data.num_shards": 2, "data.shard_index": 2}, "shard_index"),
     ],
 )

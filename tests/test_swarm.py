@@ -110,7 +110,7 @@ def test_swarm_equals_reference_diloco(local_swarm: LocalSwarm) -> None:
     local_swarm.bootstrap()
     overrides = {"train.outer_steps": 3, "train.inner_steps": 5, "data.num_shards": 3}
     args = ["--num-shards", "3", "--outer-steps", "3", "--inner-steps", "5"]
-    args += ["--min-group-size", "3", "--target-group-size", "3", "--averaging-timeout", "90"]
+    args += ["--quorum", "3", "--target-group-size", "3", "--averaging-timeout", "90"]
     peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
     for peer in peers:
         assert peer.wait(240) == 0, peer.log_text()[-3000:]

@@ -30,7 +30,8 @@ def test_swarm_command_runs_and_summarises(tmp_path: Path) -> None:
     assert "first eval" in result.stdout and "island-1" in result.stdout, "no summary table"
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert [island["name"] for island in summary["islands"]] == ["island-0", "island-1", "alone"]
-    assert all(island["outer_steps"] == 3 for island in summary["islands"])
+    for name in ("island-0", "island-1", "alone"):  # a late starter may adopt the swarm's step and skip ahead
+        assert read_metrics(tmp_path / f"{name}.jsonl")[-1]["outer_step"] == 3
     assert summary["islands"][0]["mean_partners"] > 0 and summary["islands"][2]["mean_partners"] == 0
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

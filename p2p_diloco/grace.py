@@ -1,0 +1,49 @@
+"""The grace window: how long an island that has its quorum waits for more partners before merging."""
+
+from __future__ import annotations
+
+from collections import deque
+
+
+class GraceWindow:
+    """Adaptive (default) or fixed; always bounded by [min_s, max_s].
+
+    Adaptive: the window covers the 90th percentile of how much later than this island its partners arrived in
+    recent rounds (plus a small margin), but never more than `gamma` times the island's own round of compute,
+    plus any overlap slack: waiting longer than that would cost more compute than a late partner brings.
+    """
+
+    def __init__(
+        self,
+        *,
+        mode: str = "adaptive",
+        initial_s: float = 2.0,
+        min_s: float = 0.5,
+        max_s: float = 10.0,
+        gamma: float = 0.5,
+        margin_s: float = 0.25,
+        history: int = 32,
+    ):
+        if mode not in ("adaptive", "fixed"):
+            raise ValueError(f"grace mode must be 'adaptive' or 'fixed', got {mode!r}")
+        self.mode, self.initial_s, self.min_s, self.max_s = mode, initial_s, min_s, max_s
+        self.gamma, self.margin_s = gamma, margin_s
+        self.delays: deque[float] = deque(maxlen=history)
+        self.compute_s: float | None = None
+
+    def observe(self, partner_delays: list[float], compute_s: float) -> None:
+        """Record how much later than us the partners of the last round were ready, and our compute time."""
+        self.delays.extend(max(0.0, delay) for delay in partner_delays)
+        self.compute_s = compute_s
+
+    def current(self, slack_s: float = 0.0) -> float:
+        """The window for the next round, in seconds."""
+        if self.mode == "fixed":
+            return min(self.max_s, max(self.min_s, self.initial_s))
+        if not self.delays or self.compute_s is None:
+            window = self.initial_s
+        else:
+            ordered = sorted(self.delays)
+            window = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] + self.margin_s
+            window = min(window, self.gamma * self.compute_s + slack_s)
+        return min(self.max_s, max(self.min_s, window))
