@@ -20,7 +20,10 @@ from hivemind.averaging.partition import AllreduceException, BannedException, Te
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+logger = get_logger(__name__)
 
 
 class ByteCounters:
@@ -71,6 +74,8 @@ class StrictAllReduceRunner(AllReduceRunner):
     def __init__(self, *, byte_counters: ByteCounters, **kwargs) -> None:
         super().__init__(**kwargs)
         self.byte_counters = byte_counters
+        self.tensor_part_reducer.num_parts = 0  # retire the stock reducer quietly (it would warn on deletion)
+        self.tensor_part_reducer.finalize()
         self.tensor_part_reducer = StrictPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
@@ -126,7 +131,8 @@ class StrictAllReduceRunner(AllReduceRunner):
                     f"peer {peer_id} sent {part_index} parts, expected "
                     f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
                 )
-        except BaseException:
+        except BaseException as error:
+            logger.warning(f"reducer {peer_id} failed, the round will be discarded: {error!r}")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 

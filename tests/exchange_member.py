@@ -30,6 +30,8 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, required=True)
     parser.add_argument("--initial-peers", nargs="*", default=[])
     parser.add_argument("--nan", action="store_true", help="contribute a NaN vector")
+    parser.add_argument("--timeout", type=float, default=30.0, help="seconds to find the group")
+    parser.add_argument("--chunk-timeout", type=float, default=3.0, help="next_chunk_timeout")
     args = parser.parse_args()
 
     dht = start_dht(
@@ -49,7 +51,7 @@ def main() -> None:
         min_matchmaking_time=2.0,
         request_timeout=1.0,
         allreduce_timeout=30.0,
-        next_chunk_timeout=3.0,
+        next_chunk_timeout=args.chunk_timeout,
     )
     try:
         print(f"READY {dht.get_visible_maddrs()[0]}", flush=True)
@@ -59,7 +61,7 @@ def main() -> None:
             vector[::7] = float("nan")
         with exchange.averager.get_tensors() as tensors:
             tensors[0].copy_(vector)
-        control = exchange.averager.step(weight=1.0, timeout=12, wait=False)
+        control = exchange.averager.step(weight=1.0, timeout=args.timeout, wait=False)
         while not control.done():
             if control.stage.name == "RUNNING_ALLREDUCE":
                 print("ALLREDUCE", flush=True)
