@@ -6,7 +6,8 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean bench bench-quick
+BENCHMARKS := $(sort $(wildcard benchmarks/*.py))
 
 setup: $(STAMP)
 
@@ -21,6 +22,13 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/pytest -q tests
+
+# Every benchmark prints its figures and writes benchmarks/results/NAME.json and NAME.png.
+bench: $(STAMP)
+	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done
+
+bench-quick: $(STAMP)
+	for script in $(BENCHMARKS); do $(BIN)/python $$script --quick || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -70,6 +70,7 @@ class Island:
         self.tokens = 0
         self.dht = None
         self.exchange: GossipExchange | None = None
+        self.deadline: float | None = None
 
     # ----- state served to and loaded from peers -------------------------------------------------------
     def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -211,7 +212,13 @@ class Island:
     def _announce(self, *, check: bool) -> dict[str, dict[str, Any]]:
         """Tell the run who we are and where we are; returns what the other islands announced."""
         info = {"fingerprint": self.fingerprint, "outer_step": self.outer_step, "step_time_s": self.step_time_s}
-        return announce_island(self.dht, self.config.network.run_id, self.peer_id, info, check=check)
+        try:
+            self._swarm_view = announce_island(self.dht, self.config.network.run_id, self.peer_id, info, check=check)
+        except ModelMismatchError:
+            raise
+        except Exception as error:  # a slow or restarting DHT must not stop training: use the last view
+            logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
+        return getattr(self, "_swarm_view", {})
 
     def _planned_inner_steps(self, swarm: dict[str, dict[str, Any]]) -> int:
         """H, or with dynamic local updates floor(speed / fastest speed * H) so slow islands arrive with the rest."""
@@ -267,6 +274,8 @@ class Island:
         payload = rda_encode(delta, self.tensor_sizes) if network.merge == "rda" else delta
         grace = self.grace.current()
         timeout = network.averaging_timeout if network.quorum > 1 else grace + 0.5
+        if self.deadline is not None:  # never wait for a quorum past the time budget
+            timeout = max(grace + 0.5, min(timeout, self.deadline - time.monotonic()))
         result = self.exchange.average(payload, metadata, weight=weight, grace_s=grace, timeout=timeout)
         result.grace_window_s, result.own_weight = grace, weight
         self.grace.observe([data.get("ready", ready) - ready for data in result.partners.values()], compute_s)
@@ -361,6 +370,8 @@ class Island:
             start_step = self.outer_step
             rounds = 0
             train_start = time.monotonic()
+            budget = config.train.time_budget_s
+            self.deadline = train_start + budget if budget else None
             swarm = self._announce(check=False) if self.dht is not None else {}
             while self.outer_step < config.train.outer_steps:
                 budget = config.train.time_budget_s

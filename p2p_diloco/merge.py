@@ -40,6 +40,8 @@ MERGE_RULES = ("mean", "tokens", "rda")
 
 def contribution_weight(rule: str, c_tokens: float, c_steps: float) -> float:
     """An island's weight in the merge: 1 for 'mean', else c_tokens * (c_tokens / c_steps) (Decoupled DiLoCo)."""
+    if rule not in MERGE_RULES:
+        raise MergeError(f"unknown merge rule {rule!r}; use one of {', '.join(MERGE_RULES)}")
     if rule == "mean":
         return 1.0
     if c_steps <= 0 or c_tokens <= 0:

@@ -79,6 +79,7 @@ class OuterOptimizer:
     def load(self, anchor: torch.Tensor, momentum: torch.Tensor | None) -> None:
         """Replace anchor and momentum, e.g. with a state downloaded from a peer."""
         self.anchor.data.copy_(anchor.reshape_as(self.anchor))
+        self.pending, self.pending_count = None, 0
         state = self.optimizer.state[self.anchor]
         if momentum is None:
             state.pop("momentum_buffer", None)

@@ -1,0 +1,372 @@
+"""Decoupled DiLoCo maths against hand computations: merge weights, RDA, staleness, grace window, Delayed Nesterov."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from p2p_diloco.grace import GraceWindow
+from p2p_diloco.merge import (
+    MergeError,
+    contribution_weight,
+    radial_directional_average,
+    rda_decode,
+    rda_encode,
+    weighted_mean,
+)
+from p2p_diloco.outer import OuterOptimizer
+from p2p_diloco.staleness import StalenessRule
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_daemons() -> None:
+    """Overrides the conftest guard: these tests start no processes, so p2pd daemons that other test runs start
+    and stop meanwhile must neither fail them nor be killed by them."""
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(actual, expected, atol=atol, rtol=0)
+
+
+# --- contribution_weight and weighted_mean
+
+
+def test_mean_rule_weighs_every_island_one():
+    assert contribution_weight("mean", 1000, 10) == 1.0
+    assert contribution_weight("mean", 7, 3) == 1.0
+
+
+def test_tokens_rule_is_tokens_times_tokens_per_step():
+    assert contribution_weight("tokens", 1000, 10) == 100_000.0
+    assert contribution_weight("tokens", 30, 4) == pytest.approx(30 * 7.5)
+    # 'rda' weighs contributions like 'tokens'.
+    assert contribution_weight("rda", 1000, 10) == 100_000.0
+
+
+def test_tokens_rule_weight_scales_with_steps_and_with_batch_squared():
+    full = contribution_weight("tokens", 1000, 10)  # 10 steps of 100 tokens
+    half_steps = contribution_weight("tokens", 500, 5)  # 5 steps of the same 100-token batch
+    half_batch = contribution_weight("tokens", 500, 10)  # 10 steps of a 50-token batch
+    assert half_steps == pytest.approx(full / 2)
+    assert half_batch == pytest.approx(full / 4)
+
+
+@pytest.mark.parametrize("tokens, steps", [(0, 10), (1000, 0), (-5, 10), (1000, -1), (0, 0)])
+def test_tokens_rule_rejects_non_positive_inputs(tokens, steps):
+    with pytest.raises(MergeError, match="positive"):
+        contribution_weight("tokens", tokens, steps)
+
+
+def test_weighted_mean_with_token_weights_matches_hand_computation():
+    d1 = torch.tensor([1.0, -2.0, 4.0])
+    d2 = torch.tensor([3.0, 6.0, -1.0])
+    d3 = torch.tensor([-5.0, 0.5, 2.0])
+    w1 = contribution_weight("tokens", 1000, 10)  # 100000
+    w2 = contribution_weight("tokens", 500, 5)  # 50000
+    w3 = contribution_weight("tokens", 500, 10)  # 25000
+    expected = (100_000 * d1 + 50_000 * d2 + 25_000 * d3) / (100_000 + 50_000 + 25_000)
+    close(weighted_mean([d1, d2, d3], [w1, w2, w3]), expected)
+    # Equal weights ('mean') give the plain average.
+    ones = [contribution_weight("mean", t, s) for t, s in [(1000, 10), (500, 5), (500, 10)]]
+    close(weighted_mean([d1, d2, d3], ones), (d1 + d2 + d3) / 3)
+
+
+# --- Radial-Directional Averaging
+
+
+def hand_rda(contributions: list[torch.Tensor], weights: list[float], sizes: list[int]) -> torch.Tensor:
+    """Per tensor: (weighted mean of norms) * normalise(weighted mean of unit directions)."""
+    total = sum(weights)
+    out = []
+    start = 0
+    for size in sizes:
+        pieces = [c[start : start + size] for c in contributions]
+        norms = [p.norm() for p in pieces]
+        units = [p / n if n > 0 else torch.zeros_like(p) for p, n in zip(pieces, norms)]
+        mean_norm = sum(w * n for w, n in zip(weights, norms)) / total
+        mean_dir = sum(w * u for w, u in zip(weights, units)) / total
+        length = mean_dir.norm()
+        out.append(mean_norm * mean_dir / length if length > 0 else torch.zeros(size))
+        start += size
+    return torch.cat(out)
+
+
+def test_rda_two_contributions_over_two_tensors_matches_hand_computation():
+    a = torch.tensor([3.0, 0.0, 4.0, 1.0, 0.0])  # tensor norms 5 and 1
+    b = torch.tensor([0.0, 2.0, 0.0, 0.0, 3.0])  # tensor norms 2 and 3
+    weights, sizes = [1.0, 3.0], [3, 2]
+    # First tensor: mean norm (1*5 + 3*2)/4 = 11/4; mean direction ([.6, 0, .8] + 3*[0, 1, 0]) / 4.
+    dir1 = (torch.tensor([0.6, 0.0, 0.8]) + 3 * torch.tensor([0.0, 1.0, 0.0])) / 4
+    first = (11 / 4) * dir1 / dir1.norm()
+    # Second tensor: mean norm (1*1 + 3*3)/4 = 10/4; mean direction ([1, 0] + 3*[0, 1]) / 4.
+    dir2 = (torch.tensor([1.0, 0.0]) + 3 * torch.tensor([0.0, 1.0])) / 4
+    second = (10 / 4) * dir2 / dir2.norm()
+    expected = torch.cat([first, second])
+    # Written out in closed form for the second tensor: 2.5 * [1, 3] / sqrt(10).
+    close(second, 2.5 * torch.tensor([1.0, 3.0]) / math.sqrt(10))
+    result = radial_directional_average([a, b], weights, sizes)
+    close(result, expected)
+    close(result, hand_rda([a, b], weights, sizes))
+    # Per-tensor norms are the weighted mean norms, not the norm of the weighted mean.
+    assert result[:3].norm().item() == pytest.approx(11 / 4, abs=1e-6)
+    assert result[3:].norm().item() == pytest.approx(10 / 4, abs=1e-6)
+
+
+def test_rda_random_contributions_match_hand_computation():
+    generator = torch.Generator().manual_seed(1)
+    sizes = [4, 1, 6, 3]
+    contributions = [torch.randn(sum(sizes), generator=generator) for _ in range(3)]
+    weights = [100_000.0, 50_000.0, 25_000.0]
+    close(radial_directional_average(contributions, weights, sizes), hand_rda(contributions, weights, sizes))
+
+
+def test_rda_keeps_the_norm_of_orthogonal_unit_contributions_where_the_mean_shrinks_it():
+    a = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    b = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    sizes = [2, 2]
+    rda = radial_directional_average([a, b], None, sizes)
+    mean = weighted_mean([a, b])
+    for start in (0, 2):
+        assert rda[start : start + 2].norm().item() == pytest.approx(1.0, abs=1e-6)
+        assert mean[start : start + 2].norm().item() == pytest.approx(1 / math.sqrt(2), abs=1e-6)
+    # Same direction as the mean, only longer.
+    close(rda, mean * math.sqrt(2))
+
+
+def test_rda_of_identical_contributions_is_that_contribution():
+    delta = torch.tensor([0.5, -1.5, 2.0, 3.0, -4.0, 0.25])
+    sizes = [1, 3, 2]
+    close(radial_directional_average([delta, delta.clone(), delta.clone()], [1.0, 2.0, 5.0], sizes), delta)
+
+
+def test_rda_handles_a_zero_tensor_in_one_contribution():
+    a = torch.tensor([3.0, 4.0, 0.0, 0.0])  # second tensor all zero
+    b = torch.tensor([6.0, 8.0, 0.0, 2.0])
+    sizes = [2, 2]
+    result = radial_directional_average([a, b], [1.0, 1.0], sizes)
+    assert torch.isfinite(result).all()
+    # First tensor: same direction [.6, .8], mean norm 7.5.
+    close(result[:2], torch.tensor([4.5, 6.0]))
+    # Second tensor: the zero contributes norm 0 and no direction: mean norm 1, direction [0, 1].
+    close(result[2:], torch.tensor([0.0, 1.0]))
+    close(result, hand_rda([a, b], [1.0, 1.0], sizes))
+    # Every contribution zero in a tensor gives zeros there, not NaN.
+    both_zero = radial_directional_average([a, torch.tensor([1.0, 0.0, 0.0, 0.0])], None, sizes)
+    assert torch.isfinite(both_zero).all()
+    close(both_zero[2:], torch.zeros(2))
+
+
+def test_rda_of_opposite_directions_is_zero_not_nan():
+    a = torch.tensor([1.0, 2.0])
+    result = radial_directional_average([a, -a], [1.0, 1.0], [2])
+    assert torch.isfinite(result).all()
+    close(result, torch.zeros(2))
+
+
+def test_rda_encode_layout_is_directions_then_norms():
+    delta = torch.tensor([3.0, 4.0, 0.0, 0.0, 0.0, 2.0])
+    sizes = [2, 1, 3]
+    encoded = rda_encode(delta, sizes)
+    assert encoded.numel() == sum(sizes) + len(sizes)
+    expected = torch.tensor([0.6, 0.8, 0.0, 0.0, 0.0, 1.0, 5.0, 0.0, 2.0])
+    close(encoded, expected)
+
+
+def test_weighted_mean_of_encodings_decodes_to_rda():
+    """How RDA runs inside an all-reduce: peers average rda_encode vectors, each decodes the result."""
+    generator = torch.Generator().manual_seed(2)
+    sizes = [5, 2, 3]
+    contributions = [torch.randn(sum(sizes), generator=generator) for _ in range(4)]
+    contributions[1][5:7] = 0.0  # one zero tensor
+    weights = [1.0, 3.0, 0.5, 2.0]
+    encoded = [rda_encode(delta, sizes) for delta in contributions]
+    for vector in encoded:
+        assert vector.numel() == sum(sizes) + len(sizes)
+    reduced = sum(w * e for w, e in zip(weights, encoded)) / sum(weights)
+    decoded = rda_decode(reduced, sizes)
+    close(decoded, radial_directional_average(contributions, weights, sizes))
+    close(decoded, hand_rda(contributions, weights, sizes))
+
+
+def test_rda_decode_rejects_a_wrong_number_of_norms():
+    with pytest.raises(MergeError, match="norms"):
+        rda_decode(torch.ones(6), [2, 3])
+
+
+# --- StalenessRule
+
+
+def test_staleness_rule_discounts_and_rejects():
+    rule = StalenessRule(max_staleness=4, discount=0.5)
+    assert rule.factor(0) == 1.0
+    assert rule.factor(-1) == 1.0
+    assert rule.factor(1) == 0.5
+    assert rule.factor(2) == 0.25
+    assert rule.factor(4) == 0.0625
+    assert rule.factor(5) is None
+    assert rule.factor(100) is None
+
+
+# --- GraceWindow
+
+
+def test_fixed_grace_returns_initial_clamped():
+    assert GraceWindow(mode="fixed", initial_s=3.0, min_s=0.5, max_s=10.0).current() == 3.0
+    assert GraceWindow(mode="fixed", initial_s=0.1, min_s=0.5, max_s=10.0).current() == 0.5
+    assert GraceWindow(mode="fixed", initial_s=50.0, min_s=0.5, max_s=10.0).current() == 10.0
+    fixed = GraceWindow(mode="fixed", initial_s=3.0)
+    fixed.observe([9.0, 9.0], compute_s=100.0)
+    assert fixed.current() == 3.0, "observations must not move a fixed window"
+
+
+def test_adaptive_grace_without_observations_is_initial():
+    assert GraceWindow(initial_s=2.0).current() == 2.0
+    assert GraceWindow(initial_s=20.0, max_s=10.0).current() == 10.0
+
+
+def test_adaptive_grace_is_high_percentile_plus_margin():
+    grace = GraceWindow(initial_s=2.0, min_s=0.5, max_s=10.0, gamma=0.5, margin_s=0.25)
+    delays = [0.2, 0.4, 3.0, 0.1]
+    grace.observe(delays, compute_s=10.0)
+    ordered = sorted(delays)
+    percentile = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]  # index 3 of 4: 3.0
+    assert percentile == 3.0
+    assert grace.current() == pytest.approx(3.0 + 0.25)  # below the bound 0.5 * 10 = 5
+
+
+def test_adaptive_grace_percentile_index_over_twenty_delays():
+    grace = GraceWindow(min_s=0.0, max_s=100.0, margin_s=0.25, gamma=0.5)
+    delays = [float(i) for i in range(20)]  # sorted[int(0.9 * 20)] = sorted[18] = 18.0, not the max 19.0
+    grace.observe(delays[::-1], compute_s=1000.0)
+    assert grace.current() == pytest.approx(18.25)
+
+
+def test_adaptive_grace_bounded_by_gamma_times_compute():
+    grace = GraceWindow(min_s=0.5, max_s=10.0, gamma=0.5, margin_s=0.25)
+    grace.observe([0.2, 0.4, 3.0, 0.1], compute_s=2.0)
+    assert grace.current() == pytest.approx(0.5 * 2.0)  # 3.25 > 1.0
+    # Overlap slack extends the bound.
+    assert grace.current(slack_s=1.5) == pytest.approx(0.5 * 2.0 + 1.5)
+    # A tiny compute time: the bound 0.5 * 0.4 = 0.2 is clamped up to min_s.
+    grace.observe([], compute_s=0.4)
+    assert grace.current() == 0.5
+
+
+def test_adaptive_grace_counts_negative_delays_as_zero():
+    grace = GraceWindow(min_s=0.0, max_s=10.0, margin_s=0.25)
+    grace.observe([-5.0, -1.0, -0.5], compute_s=10.0)
+    assert list(grace.delays) == [0.0, 0.0, 0.0]
+    assert grace.current() == pytest.approx(0.25)
+    clamped = GraceWindow(min_s=0.5, max_s=10.0, margin_s=0.25)
+    clamped.observe([-5.0], compute_s=10.0)
+    assert clamped.current() == 0.5
+
+
+def test_adaptive_grace_capped_by_max_s():
+    grace = GraceWindow(min_s=0.5, max_s=10.0, gamma=0.5, margin_s=0.25)
+    grace.observe([30.0], compute_s=100.0)  # 30.25, bound 50
+    assert grace.current() == 10.0
+
+
+def test_adaptive_grace_forgets_beyond_history():
+    grace = GraceWindow(min_s=0.0, max_s=100.0, margin_s=0.0, history=2)
+    grace.observe([9.0], compute_s=100.0)
+    grace.observe([1.0, 2.0], compute_s=100.0)
+    assert grace.current() == 2.0, "the 9 s delay fell out of a 2-entry history"
+
+
+def test_invalid_grace_mode_raises():
+    with pytest.raises(ValueError, match="adaptive"):
+        GraceWindow(mode="sometimes")
+
+
+# --- OuterOptimizer: Nesterov and Delayed Nesterov
+
+
+@pytest.fixture
+def outer_vectors() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    generator = torch.Generator().manual_seed(3)
+    theta0 = torch.randn(9, generator=generator)
+    gradients = [torch.randn(9, generator=generator) for _ in range(4)]
+    return theta0, gradients
+
+
+def test_momentum_every_one_is_torch_nesterov(outer_vectors):
+    theta0, gradients = outer_vectors
+    lr, mu = 0.7, 0.9
+    outer = OuterOptimizer(theta0, lr=lr, momentum=mu, momentum_every=1)
+    reference = torch.nn.Parameter(theta0.clone())
+    sgd = torch.optim.SGD([reference], lr=lr, momentum=mu, nesterov=True)
+    theta, m = theta0.clone(), torch.zeros(9)
+    for g in gradients:
+        anchor = outer.step(g).clone()
+        reference.grad = g.clone()
+        sgd.step()
+        m = mu * m + g
+        theta = theta - lr * (g + mu * m)
+        assert torch.equal(anchor, reference.data)
+        close(anchor, theta, atol=1e-5)
+        close(outer.momentum(), m, atol=1e-5)
+    assert not torch.equal(outer.anchor.data, theta0)
+
+
+def test_delayed_nesterov_every_two_matches_hand_computation(outer_vectors):
+    theta0, (g1, g2, g3, g4) = outer_vectors
+    lr, mu = 0.5, 0.8
+    outer = OuterOptimizer(theta0, lr=lr, momentum=mu, momentum_every=2)
+
+    # Step 1: momentum still zero; it is not updated (1 of 2 buffered).
+    m1 = torch.zeros(9)
+    theta1 = theta0 - lr * (g1 + mu * m1)
+    # Step 2: momentum absorbs the mean of g1, g2 first, then the step uses the new momentum.
+    m2 = mu * m1 + (g1 + g2) / 2
+    theta2 = theta1 - lr * (g2 + mu * m2)
+    # Step 3: buffered only; look-ahead with m2.
+    m3 = m2
+    theta3 = theta2 - lr * (g3 + mu * m3)
+    # Step 4: momentum absorbs the mean of g3, g4.
+    m4 = mu * m3 + (g3 + g4) / 2
+    theta4 = theta3 - lr * (g4 + mu * m4)
+
+    for g, theta, m in [(g1, theta1, m1), (g2, theta2, m2), (g3, theta3, m3), (g4, theta4, m4)]:
+        returned = outer.step(g)
+        close(returned, theta, atol=1e-5)
+        close(outer.anchor.data, theta, atol=1e-5)
+        close(outer.momentum(), m, atol=1e-5)
+    assert outer.pending is None and outer.pending_count == 0
+
+
+def test_delayed_nesterov_differs_from_plain_nesterov(outer_vectors):
+    theta0, gradients = outer_vectors
+    plain = OuterOptimizer(theta0, momentum_every=1)
+    delayed = OuterOptimizer(theta0, momentum_every=2)
+    for g in gradients[:2]:
+        plain.step(g)
+        delayed.step(g)
+    assert not torch.allclose(plain.anchor.data, delayed.anchor.data, atol=1e-4)
+    assert not torch.allclose(plain.momentum(), delayed.momentum(), atol=1e-4)
+
+
+def test_delayed_nesterov_with_three_buffers_averages_them(outer_vectors):
+    theta0, (g1, g2, g3, _) = outer_vectors
+    lr, mu = 0.7, 0.9
+    outer = OuterOptimizer(theta0, lr=lr, momentum=mu, momentum_every=3)
+    outer.step(g1)
+    outer.step(g2)
+    close(outer.momentum(), torch.zeros(9))
+    close(outer.pending, g1 + g2)
+    assert outer.pending_count == 2
+    theta2 = theta0 - lr * g1 - lr * g2
+    close(outer.anchor.data, theta2, atol=1e-5)
+    outer.step(g3)
+    m = (g1 + g2 + g3) / 3
+    close(outer.momentum(), m, atol=1e-6)
+    close(outer.anchor.data, theta2 - lr * (g3 + mu * m), atol=1e-5)
+
+
+@pytest.mark.parametrize("every", [0, -1])
+def test_momentum_every_below_one_raises(every):
+    with pytest.raises(ValueError, match="momentum_every"):
+        OuterOptimizer(torch.zeros(3), momentum_every=every)

@@ -1,0 +1,66 @@
+"""Decoupled behaviour with real processes: a stalled island never holds the others back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import LocalSwarm, wait_until
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_stalled_island_rejoins_and_others_keep_stepping(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    args = ["--outer-steps", "16", "--num-shards", "3", "--max-staleness", "3", "--next-chunk-timeout", "2"]
+    peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
+    stalled = peers[2]
+    wait_until(lambda: len(stalled.records()) >= 2, 180, "two outer steps of the island to stall")
+    os.killpg(stalled.process.pid, signal.SIGSTOP)  # freeze the island, its averager, DHT and p2pd
+    try:
+        frozen_at = len(stalled.records())
+        running_at = len(peers[0].records())
+        wait_until(lambda: len(peers[0].records()) >= running_at + 5, 120, "the others to step while one is stalled")
+        assert len(stalled.records()) == frozen_at
+    finally:
+        os.killpg(stalled.process.pid, signal.SIGCONT)
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+
+    after = stalled.records()[frozen_at:]
+    caught_up = [r for r in after if r["note"] and "stale" in r["note"]]
+    assert caught_up and caught_up[0]["resynced"], "the stalled island's stale contribution was not rejected"
+    assert any(r["partners"] > 0 for r in after), "the stalled island never merged again after SIGCONT"
+    steps = {}
+    for peer in peers:
+        for record in peer.records():
+            steps.setdefault(record["outer_step"], {})[peer.name] = record
+    rejoined = [
+        step
+        for step, records in steps.items()
+        if step > caught_up[0]["outer_step"] and len(records) == 3 and all(r["partners"] == 2 for r in records.values())
+    ]
+    for step in rejoined:
+        assert len({r["anchor_digest"] for r in steps[step].values()}) == 1
+    assert rejoined, "no all-island round after the stalled island came back"
+
+
+def test_decoupled_benchmark_smoke(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "decoupled.py"), "--smoke", "--budget", "8", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    import json
+
+    data = json.loads((tmp_path / "decoupled-smoke.json").read_text())
+    assert {"command", "date", "machine", "rows"} <= set(data)
+    for row in data["rows"]:
+        assert {"mode", "merge", "final_eval_loss", "goodput", "blocked_fraction"} <= set(row)
+        assert row["goodput"] > 0 and len(row["final_eval_loss"]) == 4
+    assert (tmp_path / "decoupled-smoke.png").read_bytes()[:4] == b"\x89PNG"
