@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint clean bench bench-quick
-BENCHMARKS := $(sort $(wildcard benchmarks/*.py))
+BENCHMARKS := $(filter-out benchmarks/report.py,$(sort $(wildcard benchmarks/*.py)))
 
 setup: $(STAMP)
 
@@ -26,9 +26,10 @@ test: $(STAMP)
 # Every benchmark prints its figures and writes benchmarks/results/NAME.json and NAME.png.
 bench: $(STAMP)
 	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done
+	$(BIN)/python benchmarks/report.py
 
 bench-quick: $(STAMP)
-	for script in $(BENCHMARKS); do $(BIN)/python $$script --quick || exit 1; done
+	for script in $(BENCHMARKS); do $(BIN)/python $$script --quick --out runs/bench-quick || exit 1; done
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -18,6 +18,7 @@ from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import BatchStream, evaluate, load_shards
 from p2p_diloco.gossip import ExchangeResult, GossipExchange
 from p2p_diloco.grace import GraceWindow
+from p2p_diloco.lineage import canonical_lineage, donors
 from p2p_diloco.merge import contribution_weight, is_finite, rda_decode, rda_encode
 from p2p_diloco.metrics import MetricsWriter
 from p2p_diloco.model import build_model, count_parameters, model_fingerprint
@@ -318,15 +319,11 @@ class Island:
         """After a merge, an island whose anchor differs from the group's canonical one downloads it."""
         members = {self.peer_id: (self.outer_step - 1, pre_digest)}
         members.update({peer: (int(d["outer_step"]), str(d["digest"])) for peer, d in result.partners.items()})
-        counts: dict[tuple[int, str], int] = {}
-        for lineage in members.values():
-            counts[lineage] = counts.get(lineage, 0) + 1
-        canonical = max(counts, key=lambda lineage: (lineage[0], counts[lineage], lineage[1]))
-        logger.debug(f"lineages {members}")
+        canonical = canonical_lineage(members)
         if members[self.peer_id] == canonical:
             return False
-        donors = [peer for peer, lineage in members.items() if lineage == canonical]
-        state = self.exchange.load_state(timeout=self.config.network.state_timeout, peers=donors)
+        peers = donors(members, canonical)
+        state = self.exchange.load_state(timeout=self.config.network.state_timeout, peers=peers)
         if state is None:
             logger.warning("off the group's lineage and no donor answered; keeping own anchor")
             return False
@@ -341,8 +338,80 @@ class Island:
         else:
             with self._lock:
                 self._load_outer(tensors, int(metadata["outer_step"]))
-        logger.info(f"resynchronised anchor from {donors[0][:12]}... at outer step {self.outer_step}")
+        logger.info(f"resynchronised anchor from {peers[0][:12]}... at outer step {self.outer_step}")
         return True
+
+    def _round(self, swarm: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+        """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record."""
+        config = self.config
+        round_start = time.monotonic()
+        steps = self._planned_inner_steps(swarm)
+        loss, tokens = self._inner_steps(steps)
+        compute_s = time.monotonic() - round_start
+        ready = get_dht_time()
+        delta = pseudo_gradient(self.outer.anchor.data, flatten_parameters(self.model.parameters()))
+        if not is_finite(delta):
+            logger.warning("local training produced NaN/inf; dropping this round's local progress")
+            delta = torch.zeros_like(delta)
+        swarm = self._announce(check=False) if self.dht is not None else {}
+        swarm_step = max([self.outer_step] + [int(info.get("outer_step", 0)) for info in swarm.values()])
+        staleness = swarm_step - self.outer_step
+        with self._lock:
+            pre_digest = state_digest(*self._outer_tensors())
+        if self.exchange is not None and self.staleness_rule.factor(staleness) is None:
+            wait_start = time.monotonic()
+            outcome = RoundOutcome(0, False, True, self._catch_up(staleness))
+            result = ExchangeResult(merged=None, wait_s=time.monotonic() - wait_start)
+            if not outcome.note.startswith(f"{staleness} steps stale:"):
+                with self._lock:  # nobody newer answered: keep going on our own
+                    self.outer.step(delta)
+                    self.outer_step += 1
+        else:
+            merged, result, outcome = self._merge(delta, tokens, steps, staleness, ready, compute_s)
+            with self._lock:
+                self.outer.step(merged)
+                self.outer_step += 1
+            if outcome.merged:
+                resync_start = time.monotonic()
+                outcome.resynced = self._resync_if_off_lineage(result, merged, pre_digest)
+                result.wait_s += time.monotonic() - resync_start
+        assign_parameters_(self.model.parameters(), self.outer.anchor.data)
+        if self.exchange is not None:
+            self.exchange.set_state_priority(float(self.outer_step))
+        eval_loss = evaluate(
+            self.model, self.shards.eval, config.model.seq_len, config.train.batch_size, config.data.eval_batches
+        )
+        with self._lock:
+            digest = state_digest(*self._outer_tensors())
+        partners = list(result.partners.values())
+        record = {
+            "peer_id": self.peer_id,
+            "run_id": config.network.run_id,
+            "outer_step": self.outer_step,
+            "inner_steps_total": self.inner_steps_total,
+            "loss": loss,
+            "eval_loss": eval_loss,
+            "tokens": self.tokens,
+            "partners": outcome.partners,
+            "wait_s": result.wait_s,
+            "bytes_sent": result.bytes_sent,
+            "bytes_recv": result.bytes_recv,
+            "time": time.time(),
+            "quorum": outcome.partners + 1,
+            "grace_s": result.matchmaking_s,
+            "grace_window_s": result.grace_window_s,
+            "merge_weights": [result.own_weight] + [data.get("weight") for data in partners],
+            "staleness": [staleness] + [swarm_step - int(data["outer_step"]) for data in partners],
+            "inner_steps": steps,
+            "compute_s": compute_s,
+            "round_s": time.monotonic() - round_start,
+            "group": sorted(result.partners),
+            "merged": outcome.merged,
+            "resynced": outcome.resynced,
+            "note": outcome.note,
+            "anchor_digest": digest,
+        }
+        return record, swarm
 
     def run(self) -> int:
         """Train until the swarm's outer step reaches train.outer_steps; returns the number of outer steps run."""
@@ -366,99 +435,27 @@ class Island:
                 f"{count_parameters(self.model):,} parameters, starting from {origin} "
                 f"(outer step {self.outer_step}, anchor {start_digest})"
             )
-            metrics_base = {"peer_id": self.peer_id, "run_id": config.network.run_id}
-            start_step = self.outer_step
-            rounds = 0
-            train_start = time.monotonic()
+            start_step, rounds = self.outer_step, 0
             budget = config.train.time_budget_s
-            self.deadline = train_start + budget if budget else None
+            self.deadline = time.monotonic() + budget if budget else None
             swarm = self._announce(check=False) if self.dht is not None else {}
             while self.outer_step < config.train.outer_steps:
-                budget = config.train.time_budget_s
-                if budget and time.monotonic() - train_start >= budget:
+                if self.deadline is not None and time.monotonic() >= self.deadline:
                     logger.info(f"time budget of {budget:.0f}s used up")
                     break
-                round_start = time.monotonic()
-                steps = self._planned_inner_steps(swarm)
-                loss, tokens = self._inner_steps(steps)
-                compute_s = time.monotonic() - round_start
-                ready = get_dht_time()
-                local = flatten_parameters(self.model.parameters())
-                delta = pseudo_gradient(self.outer.anchor.data, local)
-                if not is_finite(delta):
-                    logger.warning("local training produced NaN/inf; dropping this round's local progress")
-                    delta = torch.zeros_like(delta)
-                swarm = self._announce(check=False) if self.dht is not None else {}
-                swarm_step = max([self.outer_step] + [int(info.get("outer_step", 0)) for info in swarm.values()])
-                staleness = swarm_step - self.outer_step
-                with self._lock:
-                    pre_digest = state_digest(*self._outer_tensors())
-                if self.exchange is not None and self.staleness_rule.factor(staleness) is None:
-                    wait_start = time.monotonic()
-                    outcome = RoundOutcome(0, False, True, self._catch_up(staleness))
-                    result = ExchangeResult(merged=None, wait_s=time.monotonic() - wait_start)
-                    if not outcome.note.startswith(f"{staleness} steps stale:"):
-                        with self._lock:  # nobody newer answered: keep going on our own
-                            self.outer.step(delta)
-                            self.outer_step += 1
-                else:
-                    merged, result, outcome = self._merge(delta, tokens, steps, staleness, ready, compute_s)
-                    with self._lock:
-                        self.outer.step(merged)
-                        self.outer_step += 1
-                    if outcome.merged:
-                        resync_start = time.monotonic()
-                        outcome.resynced = self._resync_if_off_lineage(result, merged, pre_digest)
-                        result.wait_s += time.monotonic() - resync_start
-                assign_parameters_(self.model.parameters(), self.outer.anchor.data)
-                if self.exchange is not None:
-                    self.exchange.set_state_priority(float(self.outer_step))
-                eval_loss = evaluate(
-                    self.model,
-                    self.shards.eval,
-                    config.model.seq_len,
-                    config.train.batch_size,
-                    config.data.eval_batches,
+                record, swarm = self._round(swarm)
+                record.update(
+                    start_digest=start_digest if rounds == 0 else None,
+                    start_outer_step=start_step,
+                    join_s=self.join_s if rounds == 0 else None,
                 )
-                with self._lock:
-                    digest = state_digest(*self._outer_tensors())
-                partners_meta = list(result.partners.values())
-                record = {
-                    **metrics_base,
-                    "outer_step": self.outer_step,
-                    "inner_steps_total": self.inner_steps_total,
-                    "loss": loss,
-                    "eval_loss": eval_loss,
-                    "tokens": self.tokens,
-                    "partners": outcome.partners,
-                    "wait_s": result.wait_s,
-                    "bytes_sent": result.bytes_sent,
-                    "bytes_recv": result.bytes_recv,
-                    "time": time.time(),
-                    "quorum": outcome.partners + 1,
-                    "grace_s": result.matchmaking_s,
-                    "grace_window_s": getattr(result, "grace_window_s", None),
-                    "merge_weights": [result.own_weight] + [d.get("weight") for d in partners_meta],
-                    "staleness": [staleness] + [swarm_step - int(d["outer_step"]) for d in partners_meta],
-                    "inner_steps": steps,
-                    "compute_s": compute_s,
-                    "round_s": time.monotonic() - round_start,
-                    "group": sorted(result.partners),
-                    "merged": outcome.merged,
-                    "resynced": outcome.resynced,
-                    "note": outcome.note,
-                    "anchor_digest": digest,
-                    "start_digest": start_digest if rounds == 0 else None,
-                    "start_outer_step": start_step,
-                    "join_s": self.join_s if rounds == 0 else None,
-                }
                 metrics.write(record)
                 self._save()
                 rounds += 1
                 logger.info(
-                    f"outer step {self.outer_step}/{config.train.outer_steps}: loss {loss:.4f} "
-                    f"eval {eval_loss:.4f} partners {outcome.partners} wait {result.wait_s:.2f}s"
-                    + (f" ({outcome.note})" if outcome.note else "")
+                    f"outer step {self.outer_step}/{config.train.outer_steps}: loss {record['loss']:.4f} "
+                    f"eval {record['eval_loss']:.4f} partners {record['partners']} wait {record['wait_s']:.2f}s"
+                    + (f" ({record['note']})" if record["note"] else "")
                 )
             return rounds
         finally:

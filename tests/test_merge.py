@@ -99,3 +99,14 @@ def test_non_finite_contribution_propagates_to_the_merge():
     merged = weighted_mean([torch.tensor([1.0, 2.0]), torch.tensor([math.nan, 2.0])], [1, 1])
     assert not is_finite(merged)
     assert merged[1].item() == 2.0
+
+
+def test_canonical_lineage_prefers_advanced_then_common_then_smallest_digest() -> None:
+    from p2p_diloco.lineage import canonical_lineage, donors
+
+    members = {"a": (3, "x"), "b": (3, "y"), "c": (3, "y"), "d": (2, "z")}
+    assert canonical_lineage(members) == (3, "y")
+    assert donors(members, (3, "y")) == ["b", "c"]
+    assert canonical_lineage({"a": (4, "q"), "b": (3, "y"), "c": (3, "y")}) == (4, "q")
+    tie = {"a": (3, "b2"), "b": (3, "a1")}
+    assert canonical_lineage(tie) == (3, "b2") == canonical_lineage(dict(reversed(list(tie.items()))))
