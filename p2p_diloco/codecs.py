@@ -41,7 +41,6 @@ import zlib
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression
 from hivemind.compression import serialization as _serialization
@@ -122,7 +121,7 @@ class _FramedCodec(CompressionBase):
         )
         return runtime_pb2.Tensor(
             compression=self.compression_type,
-            buffer=header + self._encode(values),
+            buffer=header + (self._encode(values) if values.numel() else b""),
             size=tensor.shape,
             dtype=str(tensor.dtype).replace("torch.", ""),
             requires_grad=requires_grad,
@@ -144,7 +143,13 @@ class _FramedCodec(CompressionBase):
         if checksum != _code_checksum(self._code_table()):
             raise CodecMismatchError(f"{self.name} payload quantized with another code table (bitsandbytes version?)")
         numel = math.prod(serialized_tensor.size)
-        values = self._decode(buffer[_HEADER.size :], numel, block_size)
+        payload = buffer[_HEADER.size :]
+        if numel == 0 and not payload:
+            values = torch.empty(0)
+        elif numel == 0 or (self.block_size and not block_size):
+            raise CodecMismatchError(f"{self.name} payload of {len(payload)} bytes for {numel} values")
+        else:
+            values = self._decode(payload, numel, block_size)
         dtype = getattr(torch, serialized_tensor.dtype)
         return values.to(dtype).reshape(tuple(serialized_tensor.size)).requires_grad_(serialized_tensor.requires_grad)
 
@@ -183,8 +188,11 @@ class Float16Codec(Float16Compression):
         return message
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        if serialized_tensor.dtype == "float16":  # hivemind would return a view of the read-only message buffer
+            half, _ = _read(serialized_tensor.buffer, 0, math.prod(serialized_tensor.size), torch.float16)
+            return half.reshape(tuple(serialized_tensor.size)).requires_grad_(serialized_tensor.requires_grad)
         if serialized_tensor.dtype != "bfloat16":
-            return super().extract(serialized_tensor).clone()  # writable memory, not the message's buffer
+            return super().extract(serialized_tensor)
         half, _ = _read(serialized_tensor.buffer, 0, math.prod(serialized_tensor.size), torch.float16)
         return (
             half.to(torch.bfloat16)
@@ -262,11 +270,11 @@ class Int8BlockwiseCodec(_FramedCodec):
         codes, end = _read(payload, offset, numel, torch.uint8)
         if end != len(payload):
             raise CodecMismatchError(f"int8 payload of {len(payload)} bytes for {numel} values")
-        if numel == 0:
-            return torch.empty(0)
-        return _bitsandbytes().dequantize_blockwise(
-            codes, absmax=absmax, code=self._code_table(), blocksize=block_size
-        ).to(torch.float32)
+        return (
+            _bitsandbytes()
+            .dequantize_blockwise(codes, absmax=absmax, code=self._code_table(), blocksize=block_size)
+            .to(torch.float32)
+        )
 
 
 # NormalFloat4 levels (QLoRA; the table bitsandbytes uses for quant_type="nf4"), ascending.
@@ -324,7 +332,7 @@ class Int4BlockwiseCodec(_FramedCodec):
         indices = torch.bucketize(blocks / scale[:, None], self._midpoints, out_int32=True).view(-1)
         indices = indices[: numel + (numel & 1)].to(torch.uint8)  # padding holds zeros; keep one to pair with
         packed = (indices[0::2] << 4) | indices[1::2]
-        absmax = _poison_non_finite_blocks(values, absmax, self.block_size)
+        absmax = torch.where(torch.isfinite(absmax), absmax, float("nan"))  # amax already propagates NaN
         return absmax.numpy().tobytes() + packed.numpy().tobytes()
 
     def _decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
@@ -333,13 +341,12 @@ class Int4BlockwiseCodec(_FramedCodec):
         packed, end = _read(payload, offset, (numel + 1) // 2, torch.uint8)
         if end != len(payload):
             raise CodecMismatchError(f"int4 payload of {len(payload)} bytes for {numel} values")
-        if numel == 0:
-            return torch.empty(0)
         levels = self._pairs.index_select(0, packed.to(torch.int32)).view(-1)
-        scaled = levels.new_zeros(blocks * block_size)
-        scaled[: levels.numel()] = levels[: blocks * block_size]
-        scaled = scaled.view(blocks, block_size).mul_(absmax[:, None])
-        return scaled.view(-1)[:numel]
+        if levels.numel() != blocks * block_size:
+            padded = levels.new_zeros(blocks * block_size)
+            padded[:numel] = levels[:numel]
+            levels = padded
+        return levels.view(blocks, block_size).mul_(absmax[:, None]).view(-1)[:numel]
 
 
 class Float32Codec(NoCompression):
@@ -477,7 +484,3 @@ class ErrorFeedback:
     def clear(self) -> None:
         """Forget the residual (after applying the full-precision update locally, or after a resync)."""
         self.residual = None
-
-
-def _as_numpy_free() -> None:  # pragma: no cover - keeps numpy imported for torch.frombuffer users
-    np.zeros(0)

@@ -11,6 +11,8 @@ class GraceWindow:
     Adaptive: the window covers the 90th percentile of how much later than this island its partners arrived in
     recent rounds (plus a small margin), but never more than `gamma` times the island's own round of compute,
     plus any overlap slack: waiting longer than that would cost more compute than a late partner brings.
+    When a round finds no partner although other islands are alive, matchmaking itself is slower than the
+    window (a loaded machine, a slow link): the window doubles, up to max_s, and halves back after a merge.
     """
 
     def __init__(
@@ -30,11 +32,16 @@ class GraceWindow:
         self.gamma, self.margin_s = gamma, margin_s
         self.delays: deque[float] = deque(maxlen=history)
         self.compute_s: float | None = None
+        self.backoff = 1.0
 
-    def observe(self, partner_delays: list[float], compute_s: float) -> None:
-        """Record how much later than us the partners of the last round were ready, and our compute time."""
+    def observe(self, partner_delays: list[float], compute_s: float, missed: bool = False) -> None:
+        """Record the partners' lateness, our compute time, and whether we missed partners that were alive."""
         self.delays.extend(max(0.0, delay) for delay in partner_delays)
         self.compute_s = compute_s
+        if missed:
+            self.backoff = min(self.backoff * 2.0, self.max_s / max(self.min_s, 1e-6))
+        elif partner_delays:
+            self.backoff = max(1.0, self.backoff / 2.0)
 
     def current(self, slack_s: float = 0.0) -> float:
         """The window for the next round, in seconds."""
@@ -46,4 +53,4 @@ class GraceWindow:
             ordered = sorted(self.delays)
             window = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))] + self.margin_s
             window = min(window, self.gamma * self.compute_s + slack_s)
-        return min(self.max_s, max(self.min_s, window))
+        return min(self.max_s, max(self.min_s * self.backoff, window))

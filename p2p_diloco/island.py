@@ -279,7 +279,9 @@ class Island:
             timeout = max(grace + 0.5, min(timeout, self.deadline - time.monotonic()))
         result = self.exchange.average(payload, metadata, weight=weight, grace_s=grace, timeout=timeout)
         result.grace_window_s, result.own_weight = grace, weight
-        self.grace.observe([data.get("ready", ready) - ready for data in result.partners.values()], compute_s)
+        alive = any(peer != self.peer_id for peer in getattr(self, "_swarm_view", {}))
+        delays = [data.get("ready", ready) - ready for data in result.partners.values()]
+        self.grace.observe(delays, compute_s, missed=alive and not result.partners)
         note = result.error
         merged = result.merged
         if merged is not None:

@@ -20,12 +20,23 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "peers" / "tiny.toml"
 
 
+# Children inherit this marker (hivemind passes its environment to p2pd), so daemons of other test runs
+# sharing the machine are told apart from ours.
+RUN_MARKER = f"{os.getpid()}-{time.time_ns()}"
+os.environ["P2P_DILOCO_TEST_RUN"] = RUN_MARKER
+
+
 def p2pd_processes() -> dict[int, psutil.Process]:
-    """Running p2pd daemons by pid."""
+    """Live p2pd daemons started by this test run, by pid."""
     found = {}
-    for process in psutil.process_iter(["name"]):
-        if process.info["name"] == "p2pd":
-            found[process.pid] = process
+    for process in psutil.process_iter(["name", "status"]):
+        if process.info["name"] != "p2pd" or process.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if process.environ().get("P2P_DILOCO_TEST_RUN") == RUN_MARKER:
+                found[process.pid] = process
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
     return found
 
 

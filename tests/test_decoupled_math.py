@@ -370,3 +370,17 @@ def test_delayed_nesterov_with_three_buffers_averages_them(outer_vectors):
 def test_momentum_every_below_one_raises(every):
     with pytest.raises(ValueError, match="momentum_every"):
         OuterOptimizer(torch.zeros(3), momentum_every=every)
+
+
+def test_grace_window_backs_off_when_partners_are_missed_and_recovers_after_a_merge() -> None:
+    window = GraceWindow(mode="adaptive", initial_s=2.0, min_s=1.0, max_s=10.0, gamma=0.5)
+    assert window.current() == 2.0
+    window.observe([], compute_s=1.0, missed=True)
+    assert window.current() == 2.0  # min_s * 2
+    window.observe([], compute_s=1.0, missed=True)
+    window.observe([], compute_s=1.0, missed=True)
+    assert window.current() == 8.0
+    window.observe([], compute_s=1.0, missed=True)
+    assert window.current() == 10.0  # capped by max_s
+    window.observe([0.1], compute_s=1.0)
+    assert window.current() == 5.0  # halves back after a merge
