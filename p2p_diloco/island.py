@@ -72,6 +72,7 @@ class Island:
         self.dht = None
         self.exchange: GossipExchange | None = None
         self.deadline: float | None = None
+        self.step_time_s: float | None = None
 
     # ----- state served to and loaded from peers -------------------------------------------------------
     def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -130,7 +131,6 @@ class Island:
             gamma=network.grace_gamma,
         )
         self.staleness_rule = StalenessRule(network.max_staleness, network.staleness_discount)
-        self.step_time_s: float | None = None
         self.inner_optimizer, self.scheduler = make_inner_optimizer(
             self.model, config.train.lr, config.train.weight_decay, config.train.warmup_steps
         )

@@ -384,3 +384,19 @@ def test_grace_window_backs_off_when_partners_are_missed_and_recovers_after_a_me
     assert window.current() == 10.0  # capped by max_s
     window.observe([0.1], compute_s=1.0)
     assert window.current() == 5.0  # halves back after a merge
+
+
+def test_dynamic_local_updates_give_slower_islands_fewer_inner_steps() -> None:
+    from p2p_diloco.config import load_config
+    from p2p_diloco.island import Island
+
+    island = Island(load_config(overrides={"train.inner_steps": 60, "train.dynamic_steps": True}))
+    assert island._planned_inner_steps({}) == 60  # no step time measured yet
+    island.step_time_s = 0.3
+    swarm = {"fast": {"step_time_s": 0.1}, "same": {"step_time_s": 0.3}, "unknown": {"step_time_s": None}}
+    assert island._planned_inner_steps(swarm) == 20  # floor(0.1 / 0.3 * 60)
+    island.step_time_s = 0.1
+    assert island._planned_inner_steps(swarm) == 60  # the fastest island runs the full H
+    island.config.train.dynamic_steps = False
+    island.step_time_s = 0.3
+    assert island._planned_inner_steps(swarm) == 60
