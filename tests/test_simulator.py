@@ -98,3 +98,12 @@ def test_quick_main_writes_json_and_plot(tmp_path):
     assert {row["method"] for row in result["rows"]} == {"data_parallel", "elastic_data_parallel", "p2p_diloco"}
     assert result["paper"]["goodput"] == {"p2p_diloco": 0.88, "data_parallel": 0.27}
     assert (tmp_path / "simulator-quick.png").stat().st_size > 0
+
+
+def test_recovery_modes():
+    pull = sim.simulate("p2p_diloco", 1_200_000, 8, SHORT)
+    assert pull["pulls"] > 0.5 * pull["failures"]  # almost every restart pulls from a healthy peer
+    resume = sim.simulate("p2p_diloco", 1_200_000, 8, replace(SHORT, recovery="checkpoint"))
+    assert resume["pulls"] == resume["rejected"]  # pulls only when the staleness rule rejects
+    alone = sim.simulate("p2p_diloco", 1_200_000, 1, SHORT)
+    assert alone["pulls"] == 0 and alone["stale_contributions"] == 0  # M = 1: no peer, no staleness
