@@ -23,17 +23,24 @@ not describe their new content carry a self-describing frame: a 12-byte header (
 block size, a checksum of the code table) before the payload. Bytes in one of those slots that are not our frame
 for that codec (a peer on stock hivemind, another codec, another bitsandbytes code table) raise
 `CodecMismatchError` when decoded, and the strict all-reduce (`p2p_diloco.allreduce`) turns a decoding error into
-a discarded round instead of hivemind's silent partial average. Islands announce their codec in the gathered
-metadata and check it with `check_partner_codecs`: a mixed group would still average correctly but each member
-would decode with its own codec, so members would no longer end with the same bits.
+a discarded round instead of hivemind's silent partial average.
 
-Every codec decodes to fp32 (then casts back to the dtype it was given), reducers accumulate in fp32, and a
-block holding NaN or inf decodes to NaN: the strict all-reduce marks a poisoned reduction with NaN, and that
-mark must survive re-encoding (bitsandbytes alone would turn an all-NaN block into zeros).
+Islands must agree on the codec. A mixed group is not caught by the bytes (each enum decodes with its own codec):
+members cut the vector into parts of different sizes, so with several parts the round fails at the reducers after
+timeouts, and with one part it completes but members decode different bits. So: announce the codec with the
+island and refuse a run of another codec at join (`check_partner_codecs` on the announcements), let matchmaking
+refuse such peers (`schema_hash_with_codec`), and check the gathered metadata after a round
+(`check_partner_codecs` again).
+
+Every codec decodes to fp32 (then casts back to the dtype it was given) and reducers accumulate in fp32. NaN
+survives every codec, and int8/int4 turn a whole block holding NaN or inf into NaN: the strict all-reduce marks a
+poisoned reduction with NaN, and that mark must survive re-encoding (bitsandbytes alone turns an all-NaN block
+into zeros). fp16 clamps inf to +-65504, as hivemind's does.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import struct
 import threading
@@ -56,6 +63,7 @@ __all__ = [
     "get_compression",
     "install",
     "round_trip",
+    "schema_hash_with_codec",
 ]
 
 
@@ -449,6 +457,18 @@ def check_partner_codecs(ours: str, partners: Mapping[str, Mapping[str, Any]], k
         f"codec mismatch: islands announced {announced} but this island uses {ours!r}; "
         "every island of a run must use the same codec"
     )
+
+
+def schema_hash_with_codec(schema_hash: bytes, name: str) -> bytes:
+    """An averager's schema hash that also names the codec, so that matchmaking refuses islands of another codec.
+
+    hivemind's leaders reject a follower whose schema hash differs (BAD_SCHEMA_HASH) before any all-reduce starts;
+    without this, members of different codecs cut the vector into parts of different sizes and the round fails at
+    the reducers only after timeouts (or, with one part each, succeeds with members holding different bits).
+    """
+    if name not in CODECS:
+        raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")
+    return hashlib.sha1(schema_hash + b"|codec=" + name.encode()).digest()
 
 
 # ----- error feedback -------------------------------------------------------------------------------------------
