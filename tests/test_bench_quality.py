@@ -1,0 +1,65 @@
+"""The quality benchmark's smoke mode runs end to end, so the benchmark cannot silently rot."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+from benchmarks_path import BENCHMARKS
+
+SYSTEMS = {"data_parallel", "p2p_diloco", "isolated", "single"}
+MARK = "P2P_DILOCO_QUALITY_TEST"
+
+
+def marked_processes(value: str) -> list[psutil.Process]:
+    """Live processes that inherited MARK=value: the benchmark and everything it started."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get(MARK) == value and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            pass
+    return found
+
+
+def test_quality_smoke(tmp_path: Path) -> None:
+    mark = uuid.uuid4().hex
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "quality.py"), "--smoke", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, MARK: mark},
+    )
+    assert result.returncode == 0, result.stderr[-4000:] + "\n--- stdout:\n" + result.stdout[-2000:]
+    # No process the benchmark started (ranks, peers, bootstrap, hivemind's DHT and p2pd) outlives it
+    deadline = time.monotonic() + 15
+    while (left := marked_processes(mark)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes outlived the benchmark: {[(p.pid, p.name()) for p in left]}"
+
+    data = json.loads((tmp_path / "quality-smoke.json").read_text())
+    assert set(data["final_eval_loss"]) == SYSTEMS
+    assert all(math.isfinite(loss) and loss > 0 for loss in data["final_eval_loss"].values())
+    assert math.isfinite(data["p2p_vs_dp_ratio"])
+    assert {"command", "date", "machine", "settings", "curves"} <= set(data)
+    assert set(data["curves"]) == SYSTEMS
+    steps = data["settings"]["outer_steps"]
+    for curve in data["curves"].values():
+        assert len(curve["tokens"]) == len(curve["eval_loss"]) == steps + 1  # the initial point and one per step
+        assert all(math.isfinite(loss) for loss in curve["eval_loss"])
+    # Same total tokens for the three 4-worker systems; the single island sees a quarter of them
+    totals = {name: curve["tokens"][-1] for name, curve in data["curves"].items()}
+    assert totals["data_parallel"] == totals["p2p_diloco"] == totals["isolated"] == 4 * totals["single"]
+    # Every p2p round averaged all four islands, and the data-parallel replicas stayed identical
+    assert data["systems"]["p2p_diloco"]["rounds_with_all_islands"] == 1.0
+    assert data["systems"]["data_parallel"]["replica_max_abs_diff"] == 0.0
+    assert (tmp_path / "quality-smoke.png").read_bytes()[:4] == b"\x89PNG"
