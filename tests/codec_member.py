@@ -1,0 +1,95 @@
+"""One member of a test averaging group that runs one real averaging round per codec, each in its own run.
+
+Protocol on stdout: "READY <maddr>"; then for each round given as LABEL:CODEC:SIZE, "PREPARED <label>" once its
+averager is up, and after a line "GO" on stdin, "RESULT <json>". The merged vector (if any) is saved to
+<out>/<label>-<seed>.pt so that the test can compare members bit for bit and against the true mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from exchange_member import member_vector
+
+from p2p_diloco.codecs import CodecMismatchError, check_partner_codecs, get_compression
+from p2p_diloco.gossip import GossipExchange
+from p2p_diloco.network import shutdown_dht, start_dht
+
+
+def round_vector(seed: int, size: int, label: str) -> torch.Tensor:
+    """The pseudo-gradient member `seed` contributes in round `label` (the test recomputes it)."""
+    return member_vector(seed * 1000 + sum(label.encode()), size)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seed", type=int, required=True)
+    parser.add_argument("--group-size", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rounds", nargs="+", required=True, help="LABEL:CODEC:SIZE, one averaging round each")
+    parser.add_argument("--initial-peers", nargs="*", default=[])
+    args = parser.parse_args()
+
+    for spec in args.rounds:  # load every codec (int8 imports bitsandbytes) before any process forks
+        get_compression(spec.split(":")[1])
+    dht = start_dht(
+        initial_peers=args.initial_peers,
+        host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+        announce_maddrs=[],
+        identity=None,
+        timeout=30,
+    )
+    # One averager per round, all created up front and shut down together at the end: shutting an averager down
+    # while its DHT lives on can crash the DHT process (it may still be unpickling a pipe from the dead averager).
+    exchanges: list[tuple[str, str, int, GossipExchange]] = []
+    try:
+        print(f"READY {dht.get_visible_maddrs()[0]}", flush=True)
+        for spec in args.rounds:
+            label, codec, size = spec.split(":")
+            exchange = GossipExchange(
+                dht,
+                run_id=f"codec-test-{label}",
+                size=int(size),
+                state_provider=lambda: ({}, []),
+                target_group_size=args.group_size,
+                quorum=args.group_size,
+                min_matchmaking_time=2.0,
+                request_timeout=1.0,
+                allreduce_timeout=30.0,
+                next_chunk_timeout=10.0,
+                compression=get_compression(codec),
+            )
+            exchanges.append((label, codec, int(size), exchange))
+        for label, codec, size, exchange in exchanges:
+            print(f"PREPARED {label}", flush=True)
+            assert sys.stdin.readline().strip() == "GO"
+            vector = round_vector(args.seed, size, label)
+            result = exchange.average(vector, {"codec": codec}, weight=1.0, grace_s=2.0, timeout=40.0)
+            mismatch = None
+            try:
+                check_partner_codecs(codec, result.partners)
+            except CodecMismatchError as error:
+                mismatch = str(error)
+            if result.merged is not None:
+                torch.save(result.merged, args.out / f"{label}-{args.seed}.pt")
+            record = {
+                "label": label,
+                "merged": result.merged is not None,
+                "group": len(result.partners) + 1,
+                "error": result.error,
+                "mismatch": mismatch,
+                "bytes_sent": result.bytes_sent,
+            }
+            print("RESULT " + json.dumps(record), flush=True)
+    finally:
+        for *_, exchange in exchanges:
+            exchange.shutdown()
+        shutdown_dht(dht)
+
+
+if __name__ == "__main__":
+    main()
