@@ -118,6 +118,8 @@ class NetworkConfig:
     """Adaptive window: at most this fraction of the island's own compute time per round."""
     merge: str = "tokens"
     """Merge rule: 'tokens' (w = c_tokens * c_tokens / c_steps), 'mean', or 'rda' (radial-directional)."""
+    codec: str = "fp32"
+    """Pseudo-gradient codec on the wire: fp32, fp16, bf16, int8 (blockwise) or int4 (NF4); all islands must agree."""
     max_staleness: int = 4
     """A contribution more outer steps behind the swarm than this is rejected (the island resyncs instead)."""
     staleness_discount: float = 0.5
@@ -241,6 +243,8 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError(f"network.grace must be 'adaptive' or 'fixed', got {network.grace!r}")
     if network.merge not in ("tokens", "mean", "rda"):
         raise ConfigError(f"network.merge must be 'tokens', 'mean' or 'rda', got {network.merge!r}")
+    if network.codec not in ("fp32", "fp16", "bf16", "int8", "int4"):
+        raise ConfigError(f"network.codec must be one of fp32, fp16, bf16, int8, int4; got {network.codec!r}")
     if train.slowdown < 1 or train.momentum_every < 1:
         raise ConfigError("train.slowdown and train.momentum_every must be >= 1")
     if "." in network.run_id or not network.run_id:

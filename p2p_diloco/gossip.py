@@ -28,6 +28,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.allreduce import ByteCounters, StrictAllReduceRunner
+from p2p_diloco.codecs import schema_hash_with_codec
 from p2p_diloco.process import die_with_parent
 
 logger = get_logger(__name__)
@@ -172,13 +173,13 @@ class GossipExchange:
         allreduce_timeout: float,
         next_chunk_timeout: float,
         compression: CompressionBase | None = None,
+        codec: str = "fp32",
     ):
         self.averager = PseudoGradientAverager(
             size,
             dht=dht,
             prefix=run_id,
             state_provider=state_provider,
-            start=True,
             target_group_size=target_group_size,
             # hivemind assembles a group of one at once, skipping the grace window; the island merging
             # alone is the timeout path instead.
@@ -190,7 +191,11 @@ class GossipExchange:
             compression=compression or NoCompression(),
             declare_state_period=10.0,
             shutdown_timeout=3.0,
+            start=False,
         )
+        # Matchmaking refuses islands whose schema differs, so naming the codec in it keeps codecs apart.
+        self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec)
+        self.averager.run_in_background(await_ready=True)
         self.min_matchmaking_time = min_matchmaking_time
         self.result_timeout = allreduce_timeout + 30.0
 

@@ -14,6 +14,7 @@ import torch
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from p2p_diloco.codecs import get_compression
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import BatchStream, evaluate, load_shards
 from p2p_diloco.gossip import ExchangeResult, GossipExchange
@@ -141,6 +142,8 @@ class Island:
         if network.solo:
             self.peer_id, self.join_s = f"solo-{network.run_id}-{self.config.data.shard_index}", 0.0
             return
+        # Before any fork: the int8 codec loads bitsandbytes, which the averager process must inherit.
+        compression = get_compression(network.codec)
         self.dht = join_dht(network)
         self.peer_id = self.dht.peer_id.to_base58()
         self._announce(check=True)
@@ -156,6 +159,8 @@ class Island:
             request_timeout=network.request_timeout,
             allreduce_timeout=network.allreduce_timeout,
             next_chunk_timeout=network.next_chunk_timeout,
+            compression=compression,
+            codec=network.codec,
         )
         self.join_s = time.monotonic() - start
 
@@ -212,7 +217,12 @@ class Island:
     # ----- training ----------------------------------------------------------------------------------
     def _announce(self, *, check: bool) -> dict[str, dict[str, Any]]:
         """Tell the run who we are and where we are; returns what the other islands announced."""
-        info = {"fingerprint": self.fingerprint, "outer_step": self.outer_step, "step_time_s": self.step_time_s}
+        info = {
+            "fingerprint": self.fingerprint,
+            "codec": self.config.network.codec,
+            "outer_step": self.outer_step,
+            "step_time_s": self.step_time_s,
+        }
         try:
             self._swarm_view = announce_island(self.dht, self.config.network.run_id, self.peer_id, info, check=check)
         except ModelMismatchError:
@@ -267,6 +277,7 @@ class Island:
             "outer_step": self.outer_step,
             "digest": digest,
             "fingerprint": self.fingerprint,
+            "codec": network.codec,
             "tokens": tokens,
             "steps": steps,
             "weight": weight,
@@ -285,9 +296,13 @@ class Island:
         note = result.error
         merged = result.merged
         if merged is not None:
-            strangers = [p for p, data in result.partners.items() if data.get("fingerprint") != self.fingerprint]
+            strangers = [
+                p
+                for p, data in result.partners.items()
+                if data.get("fingerprint") != self.fingerprint or data.get("codec") != network.codec
+            ]
             if strangers:
-                note = f"model mismatch: discarded a round with islands of another model: {strangers}"
+                note = f"model or codec mismatch: discarded a round with islands of another kind: {strangers}"
                 logger.warning(note)
                 merged = None
             elif not is_finite(merged):

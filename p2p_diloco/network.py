@@ -99,6 +99,12 @@ def announce_island(
     others = {peer: data for peer, data in read_swarm(dht, run_id).items() if peer != peer_id}
     if check:
         foreign = sorted({str(data.get("fingerprint")) for data in others.values()} - {info["fingerprint"]})
+        codecs = sorted({str(data.get("codec")) for data in others.values()} - {str(info.get("codec"))})
+        if codecs and not foreign:
+            raise ModelMismatchError(
+                f"codec mismatch: run {run_id!r} exchanges pseudo-gradients as {', '.join(codecs)}, this island "
+                f"uses {info.get('codec')!r}; every island of a run must use the same --codec"
+            )
         if foreign:
             raise ModelMismatchError(
                 f"model mismatch: run {run_id!r} already trains model {', '.join(foreign)}, this island's model "

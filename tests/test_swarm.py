@@ -193,3 +193,22 @@ def socket_port():
             yield sock.getsockname()[1]
 
     return reserve()
+
+
+def test_quantized_islands_merge_and_a_codec_mismatch_is_refused(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    args = ["--outer-steps", "5", "--num-shards", "2", "--codec", "int8", "--target-group-size", "2"]
+    peers = [local_swarm.peer(f"int8-{i}", "--shard-index", str(i), *args) for i in range(2)]
+    wait_until(lambda: len(peers[0].records()) >= 1, 180, "the int8 islands to train")
+    odd = local_swarm.peer("fp16", "--outer-steps", "5", "--codec", "fp16")
+    assert odd.wait(120) == 2
+    assert any("codec mismatch" in line for line in odd.log_text().splitlines()), odd.log_text()[-2000:]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+        records = peer.records()
+        assert sum(r["partners"] > 0 for r in records) >= 3
+        merged = [r for r in records if r["partners"] > 0]
+        # int8 blockwise: about a quarter of the fp32 payload (8 bits + block scales). The averager process counts
+        # bytes as they go, so a round's last bytes may land in the next record: compare totals.
+        per_round = sum(r["bytes_sent"] for r in records) / len(merged)
+        assert 0.1 * 4 * 21_984 < per_round < 0.4 * 4 * 21_984, [r["bytes_sent"] for r in records]
