@@ -471,7 +471,8 @@ class Island:
                 rounds += 1
                 logger.info(
                     f"outer step {self.outer_step}/{config.train.outer_steps}: loss {record['loss']:.4f} "
-                    f"eval {record['eval_loss']:.4f} partners {record['partners']} wait {record['wait_s']:.2f}s"
+                    f"eval {record['eval_loss']:.4f} partners {record['partners']} wait {record['wait_s']:.2f}s "
+                    f"(grace window {record['grace_window_s'] or 0:.2f}s)"
                     + (f" ({record['note']})" if record["note"] else "")
                 )
             return rounds
