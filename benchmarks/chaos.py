@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common import machine
+
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.swarm import spawn, start_bootstrap, stop
 
@@ -68,13 +70,6 @@ class Schedule:
                 down_until[frozen] = max(down_until[frozen], t + stop_for)
             t += stop_every
         return cls(sorted(events))
-
-
-def machine() -> dict:
-    """Where the benchmark ran."""
-    import platform
-
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
 
 
 def run(

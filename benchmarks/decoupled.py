@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import sys
 import time
 from pathlib import Path
+
+from common import machine
 
 from p2p_diloco.metrics import read_metrics
 from p2p_diloco.swarm import spawn, start_bootstrap, stop
@@ -43,11 +43,6 @@ CONFIGS = [
     ),
 ]
 SMOKE = ["sync", "k1-adaptive-tokens"]
-
-
-def machine() -> dict:
-    """Where the benchmark ran."""
-    return {"platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count()}
 
 
 def run_config(

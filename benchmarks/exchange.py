@@ -18,7 +18,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import queue
 import signal
 import socket
@@ -31,6 +30,8 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
+
+from common import machine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -804,18 +805,6 @@ def profile_summary(rows: list[dict], profile_rows: list[dict]) -> dict:
                 + ", ".join(f"{name} {share:.0%}" for name, share in spy["categories"].items())
             )
     return result
-
-
-def machine() -> dict:
-    """Where the benchmark ran."""
-    import psutil
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "memory_gb": round(psutil.virtual_memory().total / 1e9, 1),
-    }
 
 
 def versions() -> dict:

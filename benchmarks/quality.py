@@ -24,7 +24,6 @@ import datetime
 import json
 import math
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -33,6 +32,8 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+from common import machine
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -47,18 +48,6 @@ MODES = {
     "quick": (5, 12, 8, False),
     "smoke": (3, 5, 2, True),
 }
-
-
-def machine() -> dict:
-    """Where the benchmark ran."""
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpus": os.cpu_count(),
-    }
 
 
 def peer_config_args(settings: dict) -> list[str]:
