@@ -30,6 +30,7 @@ from hivemind.utils.streaming import combine_from_streaming
 from p2p_diloco.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.codecs import schema_hash_with_codec
 from p2p_diloco.process import die_with_parent
+from p2p_diloco.staleness import StalenessRule, group_weights
 
 logger = get_logger(__name__)
 
@@ -39,9 +40,19 @@ StateProvider = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
 class PseudoGradientAverager(DecentralizedAverager):
     """DecentralizedAverager over one flat pseudo-gradient buffer, all-or-nothing, serving the outer state."""
 
-    def __init__(self, size: int, *, dht: DHT, prefix: str, state_provider: StateProvider, **kwargs: Any):
+    def __init__(
+        self,
+        size: int,
+        *,
+        dht: DHT,
+        prefix: str,
+        state_provider: StateProvider,
+        staleness_rule: StalenessRule | None = None,
+        **kwargs: Any,
+    ):
         self.byte_counters = ByteCounters()
         self._state_provider = state_provider
+        self._staleness_rule = staleness_rule
         super().__init__([torch.zeros(size, dtype=torch.float32)], dht=dht, prefix=prefix, **kwargs)
 
     def run(self) -> None:
@@ -58,6 +69,9 @@ class PseudoGradientAverager(DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
+        weight = self._weight_in_group(group_info)
+        if weight is not None:
+            kwargs["weight"] = weight
         backup = [tensor.clone() for tensor in tensors]
         runner = StrictAllReduceRunner(
             p2p=self._p2p,
@@ -84,6 +98,21 @@ class PseudoGradientAverager(DecentralizedAverager):
             for tensor, saved in zip(tensors, backup):
                 tensor.copy_(saved)
             raise
+
+    def _weight_in_group(self, group_info: GroupInfo) -> float | None:
+        """This island's staleness-ruled weight against the group's clock (None: keep the weight it was given)."""
+        if self._staleness_rule is None:
+            return None
+        members = {}
+        for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
+            metadata = self.serializer.loads(self.serializer.loads(gathered)[2])
+            if not isinstance(metadata, dict) or "base_weight" not in metadata or "outer_step" not in metadata:
+                return None
+            members[peer] = metadata
+        weight = group_weights(members, self._staleness_rule)[self.peer_id]
+        if weight == 0.0:
+            logger.info("this island's contribution is too stale for the group: it sends weight 0")
+        return weight
 
     def load_state_from(
         self, peers: Sequence[PeerID] | None, timeout: float
@@ -174,12 +203,14 @@ class GossipExchange:
         next_chunk_timeout: float,
         compression: CompressionBase | None = None,
         codec: str = "fp32",
+        staleness_rule: StalenessRule | None = None,
     ):
         self.averager = PseudoGradientAverager(
             size,
             dht=dht,
             prefix=run_id,
             state_provider=state_provider,
+            staleness_rule=staleness_rule,
             target_group_size=target_group_size,
             # hivemind assembles a group of one at once, skipping the grace window; the island merging
             # alone is the timeout path instead.

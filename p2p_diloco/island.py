@@ -32,7 +32,7 @@ from p2p_diloco.outer import (
     pseudo_gradient,
     state_digest,
 )
-from p2p_diloco.staleness import StalenessRule
+from p2p_diloco.staleness import StalenessRule, group_weights
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,8 @@ class RoundOutcome:
     merged: bool
     resynced: bool
     note: str | None
+    stale_by: int | None = None
+    """Set when the group rejected this island's contribution as too stale: its staleness against the group."""
 
 
 def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
@@ -161,6 +163,7 @@ class Island:
             next_chunk_timeout=network.next_chunk_timeout,
             compression=compression,
             codec=network.codec,
+            staleness_rule=self.staleness_rule,
         )
         self.join_s = time.monotonic() - start
 
@@ -269,18 +272,19 @@ class Island:
         network = self.config.network
         if self.exchange is None:
             return delta, ExchangeResult(merged=None), RoundOutcome(0, False, False, "solo")
-        factor = self.staleness_rule.factor(staleness)
-        weight = contribution_weight(network.merge, tokens, steps) * (factor or 0.0)
+        base_weight = contribution_weight(network.merge, tokens, steps)
+        weight = base_weight * (self.staleness_rule.factor(staleness) or 0.0)
         with self._lock:
             digest = state_digest(*self._outer_tensors())
         metadata = {
             "outer_step": self.outer_step,
+            "swarm_step": self.outer_step + staleness,
             "digest": digest,
             "fingerprint": self.fingerprint,
             "codec": network.codec,
             "tokens": tokens,
             "steps": steps,
-            "weight": weight,
+            "base_weight": base_weight,
             "ready": ready,
         }
         payload = rda_encode(delta, self.tensor_sizes) if network.merge == "rda" else delta
@@ -296,6 +300,19 @@ class Island:
         note = result.error
         merged = result.merged
         if merged is not None:
+            members = {self.peer_id: metadata, **result.partners}
+            try:
+                weights = group_weights(members, self.staleness_rule)
+            except (KeyError, TypeError, ValueError):
+                weights = {}  # an island of another kind: the mismatch check below discards the round
+            result.own_weight = weights.get(self.peer_id, weight)
+            for peer, data in result.partners.items():
+                data["weight"] = weights.get(peer)
+            group_clock = max(int(m.get("swarm_step", m.get("outer_step", 0))) for m in members.values())
+            if weights.get(self.peer_id) == 0.0:
+                # Our view of the swarm was older than the group's (e.g. we were stalled): the group has
+                # already given our contribution weight 0, so catch up instead of applying its merge.
+                return delta, result, RoundOutcome(0, False, False, None, stale_by=group_clock - self.outer_step)
             strangers = [
                 p
                 for p, data in result.partners.items()
@@ -331,6 +348,16 @@ class Island:
             return f"{staleness} steps stale and no newer donor answered"
         self._adopt_state(*state, source="a donor")
         return f"{staleness} steps stale: contribution rejected, resynced to outer step {self.outer_step}"
+
+    def _reject_stale(self, staleness: int, delta: torch.Tensor) -> RoundOutcome:
+        """Drop a too-stale contribution and catch up; with no newer donor, apply it alone and go on."""
+        outcome = RoundOutcome(0, False, True, self._catch_up(staleness))
+        if not outcome.note.startswith(f"{staleness} steps stale:"):
+            outcome.resynced = False
+            with self._lock:
+                self.outer.step(delta)
+                self.outer_step += 1
+        return outcome
 
     def _resync_if_off_lineage(self, result: ExchangeResult, merged: torch.Tensor, pre_digest: str) -> bool:
         """After a merge, an island whose anchor differs from the group's canonical one downloads it."""
@@ -377,17 +404,19 @@ class Island:
             pre_digest = state_digest(*self._outer_tensors())
         if self.exchange is not None and self.staleness_rule.factor(staleness) is None:
             wait_start = time.monotonic()
-            outcome = RoundOutcome(0, False, True, self._catch_up(staleness))
+            outcome = self._reject_stale(staleness, delta)
             result = ExchangeResult(merged=None, wait_s=time.monotonic() - wait_start)
-            if not outcome.note.startswith(f"{staleness} steps stale:"):
-                with self._lock:  # nobody newer answered: keep going on our own
-                    self.outer.step(delta)
-                    self.outer_step += 1
         else:
             merged, result, outcome = self._merge(delta, tokens, steps, staleness, ready, compute_s)
-            with self._lock:
-                self.outer.step(merged)
-                self.outer_step += 1
+            if outcome.stale_by is not None:
+                staleness, swarm_step = outcome.stale_by, self.outer_step + outcome.stale_by
+                wait_start = time.monotonic()
+                outcome = self._reject_stale(staleness, delta)
+                result.partners, result.wait_s = {}, result.wait_s + time.monotonic() - wait_start
+            else:
+                with self._lock:
+                    self.outer.step(merged)
+                    self.outer_step += 1
             if outcome.merged:
                 resync_start = time.monotonic()
                 outcome.resynced = self._resync_if_off_lineage(result, merged, pre_digest)

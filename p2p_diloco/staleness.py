@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, TypeVar
+
+K = TypeVar("K")
 
 
 @dataclass(frozen=True)
@@ -24,3 +28,19 @@ class StalenessRule:
         if staleness > self.max_staleness:
             return None
         return self.discount**staleness
+
+
+def group_weights(members: Mapping[K, Mapping[str, Any]], rule: StalenessRule) -> dict[K, float]:
+    """Each group member's merge weight: its base weight times the rule's factor against the group's clock.
+
+    The clock is the newest outer step any member knows of (its own or the swarm's, read from the DHT), so a
+    member that slept through several rounds and joins a newer group is discounted or rejected (weight 0) by
+    everyone alike, even when its own view of the swarm was stale. Every member computes the same weights from
+    the same gathered metadata, which keeps the merge bit-identical across the group.
+    """
+    clock = max(max(int(m["outer_step"]), int(m.get("swarm_step", m["outer_step"]))) for m in members.values())
+    weights = {}
+    for key, member in members.items():
+        factor = rule.factor(clock - int(member["outer_step"]))
+        weights[key] = 0.0 if factor is None else float(member["base_weight"]) * factor
+    return weights

@@ -15,6 +15,9 @@ import torch
 
 from p2p_diloco.gossip import GossipExchange
 from p2p_diloco.network import shutdown_dht, start_dht
+from p2p_diloco.staleness import StalenessRule
+
+STALENESS_RULE = StalenessRule(max_staleness=3, discount=0.5)
 
 
 def member_vector(seed: int, size: int) -> torch.Tensor:
@@ -32,6 +35,7 @@ def main() -> None:
     parser.add_argument("--nan", action="store_true", help="contribute a NaN vector")
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to find the group")
     parser.add_argument("--chunk-timeout", type=float, default=3.0, help="next_chunk_timeout")
+    parser.add_argument("--outer-step", type=int, default=None, help="gather an island's staleness metadata")
     args = parser.parse_args()
 
     dht = start_dht(
@@ -52,6 +56,7 @@ def main() -> None:
         request_timeout=1.0,
         allreduce_timeout=30.0,
         next_chunk_timeout=args.chunk_timeout,
+        staleness_rule=STALENESS_RULE,
     )
     try:
         print(f"READY {dht.get_visible_maddrs()[0]}", flush=True)
@@ -61,7 +66,10 @@ def main() -> None:
             vector[::7] = float("nan")
         with exchange.averager.get_tensors() as tensors:
             tensors[0].copy_(vector)
-        control = exchange.averager.step(weight=1.0, timeout=args.timeout, wait=False)
+        gather = None
+        if args.outer_step is not None:  # as an island whose DHT view of the swarm is no newer than itself
+            gather = {"outer_step": args.outer_step, "swarm_step": args.outer_step, "base_weight": 1.0}
+        control = exchange.averager.step(gather=gather, weight=1.0, timeout=args.timeout, wait=False)
         while not control.done():
             if control.stage.name == "RUNNING_ALLREDUCE":
                 print("ALLREDUCE", flush=True)

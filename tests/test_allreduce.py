@@ -153,6 +153,24 @@ def test_group_gets_the_exact_mean_with_identical_bits(members: Members) -> None
     assert all(result["restored"] for result in results if result["merged"] is None)
 
 
+def test_group_applies_the_staleness_rule_against_its_newest_member(members: Members) -> None:
+    # Steps 10, 9 and 4 with max_staleness 3 and discount 0.5: weights 1, 0.5 and 0 (rejected), computed
+    # alike by every member although the stale one's own view of the swarm said it was current.
+    size, seeds, steps = 50_000, [31, 32, 33], [10, 9, 4]
+    first = members.start(seeds[0], size, 3, [], "--outer-step", str(steps[0]))
+    for seed, step in zip(seeds[1:], steps[1:]):
+        members.start(seed, size, 3, [first.maddr], "--outer-step", str(step))
+    members.go()
+    results = [members.result(process) for process in members.processes]
+    expected = (member_vector(seeds[0], size) + 0.5 * member_vector(seeds[1], size)) / 1.5
+    merged = [result["merged"] for result in results if result["merged"] is not None]
+    assert len(merged) >= 2, results
+    for result in merged:
+        assert result["sum"] == pytest.approx(float(expected.double().sum()), abs=1e-2)
+        torch.testing.assert_close(torch.tensor(result["first"]), expected[:4], atol=1e-6, rtol=0)
+    assert len({json.dumps(result) for result in merged}) == 1, "members ended with different bits"
+
+
 def test_member_killed_mid_round_never_leaves_a_partial_average(members: Members) -> None:
     size, seeds = 2_000_000, [11, 12, 13]
     first = members.start(seeds[0], size, 3, [], "--timeout", "12")

@@ -17,7 +17,7 @@ from p2p_diloco.merge import (
     weighted_mean,
 )
 from p2p_diloco.outer import OuterOptimizer
-from p2p_diloco.staleness import StalenessRule
+from p2p_diloco.staleness import StalenessRule, group_weights
 
 
 @pytest.fixture(autouse=True)
@@ -400,3 +400,14 @@ def test_dynamic_local_updates_give_slower_islands_fewer_inner_steps() -> None:
     island.config.train.dynamic_steps = False
     island.step_time_s = 0.3
     assert island._planned_inner_steps(swarm) == 60
+
+
+def test_group_weights_use_the_newest_clock_in_the_group():
+    rule = StalenessRule(max_staleness=2, discount=0.5)
+    members = {
+        "fresh": {"outer_step": 7, "swarm_step": 7, "base_weight": 2.0},
+        "behind": {"outer_step": 6, "swarm_step": 6, "base_weight": 4.0},
+        "slept": {"outer_step": 3, "swarm_step": 3, "base_weight": 1.0},  # its own view said it was current
+        "knows": {"outer_step": 7, "swarm_step": 8, "base_weight": 1.0},  # the DHT told it of step 8
+    }
+    assert group_weights(members, rule) == {"fresh": 1.0, "behind": 1.0, "slept": 0.0, "knows": 0.5}

@@ -125,12 +125,16 @@ def test_swarm_equals_reference_diloco(local_swarm: LocalSwarm) -> None:
 
 def test_late_joiner_starts_from_swarm_anchor(local_swarm: LocalSwarm) -> None:
     local_swarm.bootstrap()
-    args = ["--outer-steps", "7", "--num-shards", "3"]
+    # The early islands outlast the late one's start-up however slow the machine is; the test stops them.
+    args = ["--outer-steps", "200", "--num-shards", "3"]
     early = [local_swarm.peer(f"early-{i}", "--shard-index", str(i), *args) for i in range(2)]
     wait_until(lambda: len(early[0].records()) >= 2, 180, "two outer steps of the early islands")
     late = local_swarm.peer("late", "--shard-index", "2", *args)
+    wait_until(lambda: any(r["partners"] > 0 for r in late.records()), 240, "the late joiner to merge")
     for peer in [*early, late]:
-        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+        peer.process.send_signal(signal.SIGTERM)
+    for peer in [*early, late]:
+        assert peer.wait(60) == 143, peer.log_text()[-3000:]
 
     first = late.records()[0]
     assert first["start_outer_step"] >= 2, "the late joiner did not adopt the swarm's outer step"
@@ -139,7 +143,6 @@ def test_late_joiner_starts_from_swarm_anchor(local_swarm: LocalSwarm) -> None:
     }
     assert first["start_digest"] in donor_digests, "late joiner's starting weights are not the swarm's anchor"
     assert "starting from swarm state" in late.log_text()
-    assert late.records()[-1]["outer_step"] == 7
 
 
 def test_killed_island_does_not_stop_the_swarm(local_swarm: LocalSwarm) -> None:
