@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import multiprocessing as mp
+import os
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -45,6 +47,27 @@ class ByteCounters:
         return self._sent.value, self._received.value
 
 
+class LinkLimiter:
+    """Paces the bytes an averager process sends to a fixed rate: a stand-in for a slow link where `tc` is not
+    allowed. Set P2P_DILOCO_LINK_MBIT in the island's environment to enable it (payload only, not DHT traffic)."""
+
+    def __init__(self, mbit: float) -> None:
+        self.bytes_per_s = mbit * 1e6 / 8
+        self.free_at = 0.0
+
+    @classmethod
+    def from_env(cls) -> LinkLimiter | None:
+        """The limiter P2P_DILOCO_LINK_MBIT asks for, if any."""
+        value = os.environ.get("P2P_DILOCO_LINK_MBIT")
+        return cls(float(value)) if value else None
+
+    async def send(self, size: int) -> None:
+        """Wait until `size` more bytes fit through the link."""
+        now = time.monotonic()
+        self.free_at = max(now, self.free_at) + size / self.bytes_per_s
+        await asyncio.sleep(self.free_at - now)
+
+
 class StrictPartReducer(TensorPartReducer):
     """A reducer whose results turn to NaN once a sender fails before it has sent every part."""
 
@@ -74,6 +97,7 @@ class StrictAllReduceRunner(AllReduceRunner):
     def __init__(self, *, byte_counters: ByteCounters, **kwargs) -> None:
         super().__init__(**kwargs)
         self.byte_counters = byte_counters
+        self.link = LinkLimiter.from_env()
         self.tensor_part_reducer.num_parts = 0  # retire the stock reducer quietly (it would warn on deletion)
         self.tensor_part_reducer.finalize()
         self.tensor_part_reducer = StrictPartReducer(
@@ -140,6 +164,8 @@ class StrictAllReduceRunner(AllReduceRunner):
         """Our parts for one reducer, counted as sent."""
         async for message in super()._generate_input_for_peer(peer_index):
             self.byte_counters.add(sent=message.tensor_part.ByteSize())
+            if self.link is not None:
+                await self.link.send(message.tensor_part.ByteSize())
             yield message
 
     async def _accumulate_parts_streaming(
@@ -167,6 +193,8 @@ class StrictAllReduceRunner(AllReduceRunner):
                     break
                 serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
                 self.byte_counters.add(sent=serialized.ByteSize())
+                if self.link is not None:
+                    await self.link.send(serialized.ByteSize())
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

@@ -188,6 +188,8 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
 def _run_swarm(args: argparse.Namespace) -> int:
     from p2p_diloco.swarm import run_local_swarm
 
+    # Ctrl-C must stop the swarm even when a shell started us with SIGINT ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     extra = [arg for arg in args.peer_args if arg != "--"]
     return run_local_swarm(
         peers=args.peers,

@@ -88,6 +88,12 @@ class TrainConfig:
     """Dynamic local updates: a slower island runs proportionally fewer inner steps to arrive with the others."""
     time_budget_s: float = 0.0
     """Stop after this many seconds of training (0: no limit); for fixed wall-clock experiments."""
+    fragments: int = 1
+    """P (Streaming DiLoCo): outer step s syncs only fragment s mod P, after H/P inner steps (1: whole model)."""
+    overlap_steps: int = 0
+    """τ: inner steps a fragment's exchange runs in the background before its update lands (0: blocking)."""
+    mix_alpha: float = 0.5
+    """α: with overlap, a landed fragment becomes α·θ_local + (1 − α)·θ_merged."""
 
 
 @dataclass
@@ -120,6 +126,8 @@ class NetworkConfig:
     """Merge rule: 'tokens' (w = c_tokens * c_tokens / c_steps), 'mean', or 'rda' (radial-directional)."""
     codec: str = "fp32"
     """Pseudo-gradient codec on the wire: fp32, fp16, bf16, int8 (blockwise) or int4 (NF4); all islands must agree."""
+    error_feedback: bool = False
+    """Carry each round's quantization residual into the next round's pseudo-gradient (per fragment)."""
     max_staleness: int = 4
     """A contribution more outer steps behind the swarm than this is rejected (the island resyncs instead)."""
     staleness_discount: float = 0.5
@@ -247,6 +255,19 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError(f"network.codec must be one of fp32, fp16, bf16, int8, int4; got {network.codec!r}")
     if train.slowdown < 1 or train.momentum_every < 1:
         raise ConfigError("train.slowdown and train.momentum_every must be >= 1")
+    if train.fragments < 1 or train.fragments > train.inner_steps:
+        raise ConfigError(f"train.fragments={train.fragments} must be in [1, train.inner_steps={train.inner_steps}]")
+    if not 0 <= train.overlap_steps <= train.inner_steps // train.fragments:
+        raise ConfigError(
+            f"train.overlap_steps={train.overlap_steps} must be in [0, inner_steps / fragments = "
+            f"{train.inner_steps // train.fragments}]: an exchange must land before the next one starts"
+        )
+    if not 0 <= train.mix_alpha <= 1:
+        raise ConfigError(f"train.mix_alpha={train.mix_alpha} must be in [0, 1]")
+    if train.fragments > 1 and train.momentum_every > 1:
+        raise ConfigError("Delayed Nesterov (train.momentum_every > 1) does not combine with train.fragments > 1")
+    if network.error_feedback and network.merge == "rda":
+        raise ConfigError("network.error_feedback does not combine with network.merge = 'rda'")
     if "." in network.run_id or not network.run_id:
         raise ConfigError(f"run id {network.run_id!r} must be non-empty and contain no '.'")
     if config.data.num_shards < 1:

@@ -7,6 +7,7 @@ central server, no fixed world size), and serve their outer state to late joiner
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -113,6 +114,19 @@ class PseudoGradientAverager(DecentralizedAverager):
         if weight == 0.0:
             logger.info("this island's contribution is too stale for the group: it sends weight 0")
         return weight
+
+    def set_schema_tag(self, tag: int | None) -> None:
+        """Match only with islands exchanging the same thing (e.g. the same fragment) from now on."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_schema_tag", [], dict(tag=tag, future=future)))
+        future.result(timeout=30)
+
+    async def _set_schema_tag(self, tag: int | None, future: MPFuture) -> None:
+        suffix = b"" if tag is None else f"fragment-{tag}".encode()
+        self._matchmaking.schema_hash = (
+            hashlib.sha256(self.schema_hash + suffix).digest() if suffix else self.schema_hash
+        )
+        future.set_result(True)
 
     def load_state_from(
         self, peers: Sequence[PeerID] | None, timeout: float
@@ -228,6 +242,8 @@ class GossipExchange:
         self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec)
         self.averager.run_in_background(await_ready=True)
         self.min_matchmaking_time = min_matchmaking_time
+        self.size = size
+        self._schema_tag: int | None = None
         self.result_timeout = allreduce_timeout + 30.0
 
     @property
@@ -243,6 +259,7 @@ class GossipExchange:
         weight: float,
         grace_s: float,
         timeout: float,
+        schema_tag: int | None = None,
     ) -> ExchangeResult:
         """One bounded round: the group's weighted average, or merged=None if no partner came or the round failed.
 
@@ -251,8 +268,16 @@ class GossipExchange:
         """
         sent0, recv0 = self.averager.byte_counters.read()
         start = time.monotonic()
+        if schema_tag != self._schema_tag:
+            self.averager.set_schema_tag(schema_tag)
+            self._schema_tag = schema_tag
+        values = pseudo_gradient.reshape(-1)
+        if values.numel() > self.size:
+            raise ValueError(f"pseudo-gradient of {values.numel()} values exceeds the exchange buffer of {self.size}")
         with self.averager.get_tensors() as tensors:
-            tensors[0].copy_(pseudo_gradient.reshape(-1))
+            # A smaller fragment travels in the front of the buffer; the zero tail averages to zero.
+            tensors[0][: values.numel()].copy_(values)
+            tensors[0][values.numel() :].zero_()
         result = ExchangeResult(merged=None)
         gathered = None
         try:
@@ -273,7 +298,7 @@ class GossipExchange:
             result.error = f"{type(error).__name__}: {error}"
         if gathered and len(gathered) > 1:
             with self.averager.get_tensors() as tensors:
-                result.merged = tensors[0].clone()
+                result.merged = tensors[0][: values.numel()].clone()
             result.partners = {
                 peer.to_base58(): data for peer, data in gathered.items() if peer != self.averager.peer_id
             }

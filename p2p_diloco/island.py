@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -14,9 +15,10 @@ import torch
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from p2p_diloco.codecs import get_compression
+from p2p_diloco.codecs import ErrorFeedback, get_compression, round_trip
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import BatchStream, evaluate, load_shards
+from p2p_diloco.fragments import Fragment, fragment_for_step, fragment_layout
 from p2p_diloco.gossip import ExchangeResult, GossipExchange
 from p2p_diloco.grace import GraceWindow
 from p2p_diloco.lineage import canonical_lineage, donors
@@ -33,6 +35,7 @@ from p2p_diloco.outer import (
     state_digest,
 )
 from p2p_diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.transport import TransportMeter
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,31 @@ class RoundOutcome:
     note: str | None
     stale_by: int | None = None
     """Set when the group rejected this island's contribution as too stale: its staleness against the group."""
+
+
+@dataclass
+class PendingMerge:
+    """A fragment's exchange running in the background while the island keeps training."""
+
+    fragment: int | None
+    pre_digest: str
+    delta: torch.Tensor
+    staleness: int
+    swarm_step: int
+    future: Future | None = None
+
+
+@dataclass
+class Landed:
+    """A merge that has been applied (or discarded) in this round, for the round's record."""
+
+    result: ExchangeResult
+    outcome: RoundOutcome
+    fragment: int | None
+    blocked_s: float = 0.0
+    """Seconds training waited for this merge (the whole exchange without overlap)."""
+    staleness: int = 0
+    swarm_step: int = 0
 
 
 def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
@@ -76,6 +104,11 @@ class Island:
         self.exchange: GossipExchange | None = None
         self.deadline: float | None = None
         self.step_time_s: float | None = None
+        self.fragments: list[Fragment] | None = None
+        self.error_feedback: dict[int | None, ErrorFeedback] | None = None
+        self.pending: PendingMerge | None = None
+        self.transport: TransportMeter | None = None
+        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
 
     # ----- state served to and loaded from peers -------------------------------------------------------
     def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -134,6 +167,9 @@ class Island:
             gamma=network.grace_gamma,
         )
         self.staleness_rule = StalenessRule(network.max_staleness, network.staleness_discount)
+        if config.train.fragments > 1:
+            self.fragments = fragment_layout(self.model, config.train.fragments)
+        self.error_feedback = {} if network.error_feedback else None
         self.inner_optimizer, self.scheduler = make_inner_optimizer(
             self.model, config.train.lr, config.train.weight_decay, config.train.warmup_steps
         )
@@ -150,10 +186,11 @@ class Island:
         self.peer_id = self.dht.peer_id.to_base58()
         self._announce(check=True)
         extra = len(self.tensor_sizes) if network.merge == "rda" else 0
+        largest = self.outer.anchor.numel() if self.fragments is None else max(f.size for f in self.fragments)
         self.exchange = GossipExchange(
             self.dht,
             run_id=network.run_id,
-            size=self.outer.anchor.numel() + extra,
+            size=largest + extra,
             state_provider=self._state_for_peers,
             target_group_size=network.target_group_size,
             quorum=network.quorum,
@@ -165,6 +202,8 @@ class Island:
             codec=network.codec,
             staleness_rule=self.staleness_rule,
         )
+        self.transport = TransportMeter()
+        self.transport.read()
         self.join_s = time.monotonic() - start
 
     def _restore(self) -> str:
@@ -242,8 +281,11 @@ class Island:
         times = [info["step_time_s"] for info in swarm.values() if info.get("step_time_s")] + [self.step_time_s]
         return max(1, int(steps * min(times) / self.step_time_s))
 
-    def _inner_steps(self, steps: int) -> tuple[float, int]:
+    def _inner_steps(self, steps: int) -> tuple[list[float], int]:
+        """Run `steps` local AdamW steps; returns their losses and the tokens they consumed."""
         config = self.config
+        if steps <= 0:
+            return [], 0
         self.model.train()
         losses = []
         start = time.monotonic()
@@ -263,10 +305,17 @@ class Island:
         self.step_time_s = (time.monotonic() - start) / steps
         self.inner_steps_total += steps
         self.tokens += steps * self.stream.tokens_per_batch
-        return sum(losses) / len(losses), steps * self.stream.tokens_per_batch
+        return losses, steps * self.stream.tokens_per_batch
 
     def _merge(
-        self, delta: torch.Tensor, tokens: int, steps: int, staleness: int, ready: float, compute_s: float
+        self,
+        delta: torch.Tensor,
+        fragment: int | None,
+        tokens: int,
+        steps: int,
+        staleness: int,
+        ready: float,
+        compute_s: float,
     ) -> tuple[torch.Tensor, ExchangeResult, RoundOutcome]:
         """Average with ready partners; fall back to the island's own pseudo-gradient when that fails."""
         network = self.config.network
@@ -275,8 +324,12 @@ class Island:
         base_weight = contribution_weight(network.merge, tokens, steps)
         weight = base_weight * (self.staleness_rule.factor(staleness) or 0.0)
         with self._lock:
-            digest = state_digest(*self._outer_tensors())
+            digest = state_digest(*self._outer_tensors(fragment))
+        tensor_sizes = self.tensor_sizes if fragment is None else self.fragments[fragment].tensor_sizes
+        if self.error_feedback is not None:  # carry last round's quantization residual of this fragment
+            delta = self.error_feedback.setdefault(fragment, ErrorFeedback()).compensate(delta)
         metadata = {
+            "fragment": fragment,
             "outer_step": self.outer_step,
             "swarm_step": self.outer_step + staleness,
             "digest": digest,
@@ -287,12 +340,14 @@ class Island:
             "base_weight": base_weight,
             "ready": ready,
         }
-        payload = rda_encode(delta, self.tensor_sizes) if network.merge == "rda" else delta
+        payload = rda_encode(delta, tensor_sizes) if network.merge == "rda" else delta
         grace = self.grace.current()
         timeout = network.averaging_timeout if network.quorum > 1 else grace + 0.5
         if self.deadline is not None:  # never wait for a quorum past the time budget
             timeout = max(grace + 0.5, min(timeout, self.deadline - time.monotonic()))
-        result = self.exchange.average(payload, metadata, weight=weight, grace_s=grace, timeout=timeout)
+        result = self.exchange.average(
+            payload, metadata, weight=weight, grace_s=grace, timeout=timeout, schema_tag=fragment
+        )
         result.grace_window_s, result.own_weight = grace, weight
         alive = any(peer != self.peer_id for peer in getattr(self, "_swarm_view", {}))
         delays = [data.get("ready", ready) - ready for data in result.partners.values()]
@@ -327,14 +382,23 @@ class Island:
                 logger.warning(note)
                 merged = None
             elif network.merge == "rda":
-                merged = rda_decode(merged, self.tensor_sizes)
+                merged = rda_decode(merged, tensor_sizes)
+        if self.error_feedback is not None:
+            feedback = self.error_feedback[fragment]
+            if merged is None:  # the island applies its own full-precision update: nothing was lost
+                feedback.clear()
+            else:
+                feedback.update(round_trip(network.codec, delta), delta)
         if merged is None:
             result.partners = {}
             return delta, result, RoundOutcome(0, False, False, note)
         return merged, result, RoundOutcome(len(result.partners), True, False, None)
 
-    def _outer_tensors(self) -> list[torch.Tensor]:
-        """The outer state that islands on one lineage share bit for bit."""
+    def _outer_tensors(self, fragment: int | None = None) -> list[torch.Tensor]:
+        """The outer state that islands on one lineage share bit for bit (of one fragment, if given)."""
+        if fragment is not None:
+            index = self.fragments[fragment].index
+            return [self.outer.anchor.data[index], self.outer.momentum()[index]]
         tensors = [self.outer.anchor.data, self.outer.momentum()]
         if self.outer.momentum_every > 1:
             pending = self.outer.pending
@@ -349,18 +413,20 @@ class Island:
         self._adopt_state(*state, source="a donor")
         return f"{staleness} steps stale: contribution rejected, resynced to outer step {self.outer_step}"
 
-    def _reject_stale(self, staleness: int, delta: torch.Tensor) -> RoundOutcome:
+    def _reject_stale(self, staleness: int, delta: torch.Tensor, fragment: int | None) -> RoundOutcome:
         """Drop a too-stale contribution and catch up; with no newer donor, apply it alone and go on."""
+        if self.error_feedback is not None:
+            self.error_feedback.clear()
         outcome = RoundOutcome(0, False, True, self._catch_up(staleness))
         if not outcome.note.startswith(f"{staleness} steps stale:"):
             outcome.resynced = False
-            with self._lock:
-                self.outer.step(delta)
-                self.outer_step += 1
+            self._apply(delta, fragment, mix=False)
         return outcome
 
-    def _resync_if_off_lineage(self, result: ExchangeResult, merged: torch.Tensor, pre_digest: str) -> bool:
-        """After a merge, an island whose anchor differs from the group's canonical one downloads it."""
+    def _resync_if_off_lineage(
+        self, result: ExchangeResult, merged: torch.Tensor, pre_digest: str, fragment: int | None
+    ) -> bool:
+        """After a merge, an island whose (fragment's) outer state differs from the group's canonical one fetches it."""
         members = {self.peer_id: (self.outer_step - 1, pre_digest)}
         members.update({peer: (int(d["outer_step"]), str(d["digest"])) for peer, d in result.partners.items()})
         canonical = canonical_lineage(members)
@@ -374,7 +440,16 @@ class Island:
         metadata, tensors = state
         if metadata.get("fingerprint") != self.fingerprint:
             return False
-        if metadata.get("digest") == canonical[1]:  # donor had not applied this round yet
+        if fragment is not None:
+            index = self.fragments[fragment].index
+            donor = [tensors[0][index], tensors[1][index]]
+            with self._lock:
+                self.outer.anchor.data[index] = donor[0]
+                state = self.outer.optimizer.state[self.outer.anchor]
+                state.setdefault("momentum_buffer", torch.zeros_like(self.outer.anchor.data))[index] = donor[1]
+                if state_digest(*donor) == canonical[1]:  # donor had not applied this round yet
+                    self.outer.step_fragment(merged, index)
+        elif metadata.get("digest") == canonical[1]:  # donor had not applied this round yet
             with self._lock:
                 self._load_outer(tensors, canonical[0])
                 self.outer.step(merged)
@@ -385,15 +460,58 @@ class Island:
         logger.info(f"resynchronised anchor from {peers[0][:12]}... at outer step {self.outer_step}")
         return True
 
+    def _apply(self, update: torch.Tensor, fragment: int | None, mix: bool) -> None:
+        """Outer step with a merged pseudo-gradient on the whole model or one fragment, then refresh the weights.
+
+        Without overlap the fragment's weights become the new anchor; with overlap the local steps taken while
+        the exchange ran are kept by mixing: θ ← α·θ_local + (1 − α)·θ_anchor (Streaming DiLoCo).
+        """
+        with self._lock:
+            if fragment is None:
+                self.outer.step(update)
+            else:
+                self.outer.step_fragment(update, self.fragments[fragment].index)
+            self.outer_step += 1
+        self._refresh_weights(fragment, mix)
+
+    def _refresh_weights(self, fragment: int | None, mix: bool) -> None:
+        """Load the anchor (of one fragment, mixed with the local weights if `mix`) into the model."""
+        anchor = self.outer.anchor.data
+        if fragment is None and not mix:
+            assign_parameters_(self.model.parameters(), anchor)
+            return
+        local = flatten_parameters(self.model.parameters())
+        index = slice(None) if fragment is None else self.fragments[fragment].index
+        if mix:
+            alpha = self.config.train.mix_alpha
+            local[index] = local[index].mul_(alpha).add_(anchor[index], alpha=1.0 - alpha)
+        else:
+            local[index] = anchor[index]
+        assign_parameters_(self.model.parameters(), local)
+
     def _round(self, swarm: dict[str, dict[str, Any]]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
-        """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record."""
+        """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record.
+
+        With fragments, the round syncs fragment `outer_step mod P` after H/P inner steps. With overlap τ > 0
+        the exchange runs in the background: it lands τ inner steps into the next round, and this round's
+        record describes the merge that landed in it.
+        """
         config = self.config
         round_start = time.monotonic()
-        steps = self._planned_inner_steps(swarm)
-        loss, tokens = self._inner_steps(steps)
+        steps = max(1, self._planned_inner_steps(swarm) // config.train.fragments)
+        early = min(config.train.overlap_steps, steps) if self.pending is not None else 0
+        losses, tokens = self._inner_steps(early)
         compute_s = time.monotonic() - round_start
+        landed = self._land() if self.pending is not None else None
+        rest_start = time.monotonic()
+        more_losses, more_tokens = self._inner_steps(steps - early)
+        losses, tokens = losses + more_losses, tokens + more_tokens
+        compute_s += time.monotonic() - rest_start
         ready = get_dht_time()
+        fragment = None if self.fragments is None else fragment_for_step(self.outer_step, config.train.fragments)
         delta = pseudo_gradient(self.outer.anchor.data, flatten_parameters(self.model.parameters()))
+        if fragment is not None:
+            delta = delta[self.fragments[fragment].index]
         if not is_finite(delta):
             logger.warning("local training produced NaN/inf; dropping this round's local progress")
             delta = torch.zeros_like(delta)
@@ -401,53 +519,97 @@ class Island:
         swarm_step = max([self.outer_step] + [int(info.get("outer_step", 0)) for info in swarm.values()])
         staleness = swarm_step - self.outer_step
         with self._lock:
-            pre_digest = state_digest(*self._outer_tensors())
+            pre_digest = state_digest(*self._outer_tensors(fragment))
         if self.exchange is not None and self.staleness_rule.factor(staleness) is None:
             wait_start = time.monotonic()
-            outcome = self._reject_stale(staleness, delta)
-            result = ExchangeResult(merged=None, wait_s=time.monotonic() - wait_start)
+            outcome = self._reject_stale(staleness, delta, fragment)
+            waited = time.monotonic() - wait_start
+            landed = Landed(ExchangeResult(merged=None, wait_s=waited), outcome, fragment, waited)
+            landed.staleness, landed.swarm_step = staleness, swarm_step
         else:
-            merged, result, outcome = self._merge(delta, tokens, steps, staleness, ready, compute_s)
-            if outcome.stale_by is not None:
-                staleness, swarm_step = outcome.stale_by, self.outer_step + outcome.stale_by
-                wait_start = time.monotonic()
-                outcome = self._reject_stale(staleness, delta)
-                result.partners, result.wait_s = {}, result.wait_s + time.monotonic() - wait_start
-            else:
-                with self._lock:
-                    self.outer.step(merged)
-                    self.outer_step += 1
-            if outcome.merged:
-                resync_start = time.monotonic()
-                outcome.resynced = self._resync_if_off_lineage(result, merged, pre_digest)
-                result.wait_s += time.monotonic() - resync_start
-        assign_parameters_(self.model.parameters(), self.outer.anchor.data)
-        if self.exchange is not None:
-            self.exchange.set_state_priority(float(self.outer_step))
-        eval_loss = evaluate(
+            pending = PendingMerge(fragment, pre_digest, delta, staleness, swarm_step)
+            pending.future = self._background.submit(
+                self._merge, delta, fragment, tokens, steps, staleness, ready, compute_s
+            )
+            self.pending = pending
+            if config.train.overlap_steps == 0:
+                landed = self._land()
+        eval_start = time.monotonic()
+        eval_loss = self._evaluate()
+        record = self._record(landed, losses, steps, compute_s, round_start)
+        record["eval_loss"], record["eval_s"] = eval_loss, time.monotonic() - eval_start
+        record["round_s"] = time.monotonic() - round_start
+        return record, swarm
+
+    def _evaluate(self) -> float:
+        config = self.config
+        return evaluate(
             self.model, self.shards.eval, config.model.seq_len, config.train.batch_size, config.data.eval_batches
         )
+
+    def _land(self) -> Landed:
+        """Wait for the exchange in flight (timed as overlap wait), then apply its outer update."""
+        pending, self.pending = self.pending, None
+        wait_start = time.monotonic()
+        merged, result, outcome = pending.future.result()
+        blocked_s = time.monotonic() - wait_start
+        fragment, staleness, swarm_step = pending.fragment, pending.staleness, pending.swarm_step
+        mix = self.config.train.overlap_steps > 0
+        if outcome.stale_by is not None:
+            staleness, swarm_step = outcome.stale_by, self.outer_step + outcome.stale_by
+            resync_start = time.monotonic()
+            outcome = self._reject_stale(staleness, pending.delta, fragment)
+            result.partners, result.wait_s = {}, result.wait_s + time.monotonic() - resync_start
+        else:
+            self._apply(merged, fragment, mix)
+            if outcome.merged:
+                resync_start = time.monotonic()
+                outcome.resynced = self._resync_if_off_lineage(result, merged, pending.pre_digest, fragment)
+                if outcome.resynced:
+                    self._refresh_weights(fragment, mix)
+                result.wait_s += time.monotonic() - resync_start
+                blocked_s += time.monotonic() - resync_start
+        if self.exchange is not None:
+            self.exchange.set_state_priority(float(self.outer_step))
+        landed = Landed(result, outcome, fragment, blocked_s if mix else result.wait_s)
+        landed.staleness, landed.swarm_step = staleness, swarm_step
+        return landed
+
+    def _record(
+        self, landed: Landed | None, losses: list[float], steps: int, compute_s: float, round_start: float
+    ) -> dict[str, Any]:
+        """The metrics line of one round."""
+        config = self.config
+        if landed is None:  # the first round with overlap: the first fragment is still in flight
+            landed = Landed(
+                ExchangeResult(merged=None), RoundOutcome(0, False, False, "first exchange in flight"), None
+            )
+        result, outcome = landed.result, landed.outcome
         with self._lock:
             digest = state_digest(*self._outer_tensors())
         partners = list(result.partners.values())
-        record = {
+        transport = self.transport.read() if self.transport is not None else None
+        return {
             "peer_id": self.peer_id,
             "run_id": config.network.run_id,
             "outer_step": self.outer_step,
             "inner_steps_total": self.inner_steps_total,
-            "loss": loss,
-            "eval_loss": eval_loss,
+            "loss": sum(losses) / len(losses),
             "tokens": self.tokens,
             "partners": outcome.partners,
-            "wait_s": result.wait_s,
+            "wait_s": landed.blocked_s,
+            "exchange_s": result.wait_s,
             "bytes_sent": result.bytes_sent,
             "bytes_recv": result.bytes_recv,
+            "transport_sent": None if transport is None else transport[0],
+            "transport_recv": None if transport is None else transport[1],
             "time": time.time(),
             "quorum": outcome.partners + 1,
             "grace_s": result.matchmaking_s,
             "grace_window_s": result.grace_window_s,
             "merge_weights": [result.own_weight] + [data.get("weight") for data in partners],
-            "staleness": [staleness] + [swarm_step - int(data["outer_step"]) for data in partners],
+            "staleness": [landed.staleness] + [landed.swarm_step - int(data["outer_step"]) for data in partners],
+            "fragment": landed.fragment,
             "inner_steps": steps,
             "compute_s": compute_s,
             "round_s": time.monotonic() - round_start,
@@ -457,7 +619,6 @@ class Island:
             "note": outcome.note,
             "anchor_digest": digest,
         }
-        return record, swarm
 
     def run(self) -> int:
         """Train until the swarm's outer step reaches train.outer_steps; returns the number of outer steps run."""
@@ -485,31 +646,51 @@ class Island:
             budget = config.train.time_budget_s
             self.deadline = time.monotonic() + budget if budget else None
             swarm = self._announce(check=False) if self.dht is not None else {}
-            while self.outer_step < config.train.outer_steps:
+            while self.outer_step + (self.pending is not None) < config.train.outer_steps:
                 if self.deadline is not None and time.monotonic() >= self.deadline:
                     logger.info(f"time budget of {budget:.0f}s used up")
                     break
                 record, swarm = self._round(swarm)
-                record.update(
-                    start_digest=start_digest if rounds == 0 else None,
-                    start_outer_step=start_step,
-                    join_s=self.join_s if rounds == 0 else None,
-                )
-                metrics.write(record)
-                self._save()
+                self._log_round(metrics, record, start_digest if rounds == 0 else None, start_step)
                 rounds += 1
-                logger.info(
-                    f"outer step {self.outer_step}/{config.train.outer_steps}: loss {record['loss']:.4f} "
-                    f"eval {record['eval_loss']:.4f} partners {record['partners']} wait {record['wait_s']:.2f}s "
-                    f"(grace window {record['grace_window_s'] or 0:.2f}s)"
-                    + (f" ({record['note']})" if record["note"] else "")
+            if self.pending is not None:  # the last fragment's exchange is still in flight: land it
+                round_start = time.monotonic()
+                record = self._record(self._land(), [record["loss"]], 0, 0.0, round_start)
+                record["eval_loss"] = evaluate(
+                    self.model,
+                    self.shards.eval,
+                    config.model.seq_len,
+                    config.train.batch_size,
+                    config.data.eval_batches,
                 )
+                self._log_round(metrics, record, None, start_step)
+                rounds += 1
             return rounds
         finally:
             self.close()
 
+    def _log_round(
+        self, metrics: MetricsWriter, record: dict[str, Any], start_digest: str | None, start_step: int
+    ) -> None:
+        """Write one round's metrics, checkpoint, and log a progress line."""
+        record.update(
+            start_digest=start_digest,
+            start_outer_step=start_step,
+            join_s=self.join_s if start_digest is not None else None,
+        )
+        metrics.write(record)
+        self._save()
+        logger.info(
+            f"outer step {self.outer_step}/{self.config.train.outer_steps}: loss {record['loss']:.4f} "
+            f"eval {record['eval_loss']:.4f} partners {record['partners']} wait {record['wait_s']:.2f}s "
+            f"(grace window {record['grace_window_s'] or 0:.2f}s)"
+            + ("" if record["fragment"] is None else f" fragment {record['fragment']}")
+            + (f" ({record['note']})" if record["note"] else "")
+        )
+
     def close(self) -> None:
         """Stop the averager and the DHT, leaving no child process behind."""
+        self._background.shutdown(wait=True, cancel_futures=True)
         if self.exchange is not None:
             try:
                 self.exchange.shutdown()

@@ -70,6 +70,27 @@ class OuterOptimizer:
         self.anchor.data.add_(gradient + self.beta * buffer, alpha=-self.lr)
         return self.anchor.data
 
+    @torch.no_grad()
+    def step_fragment(self, outer_gradient: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """One outer step on the anchor values at `index` only (a Streaming DiLoCo fragment); returns them.
+
+        The same Nesterov arithmetic as torch's SGD, elementwise, so the other fragments' momentum is untouched.
+        """
+        if self.momentum_every != 1:
+            raise ValueError("Delayed Nesterov (momentum_every > 1) is not supported with fragments")
+        gradient = outer_gradient.detach().float().reshape(-1)
+        state = self.optimizer.state[self.anchor]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(self.anchor.data)
+        buffer = state["momentum_buffer"]
+        if self.beta > 0:
+            fragment_buffer = buffer[index].mul_(self.beta).add_(gradient)
+            buffer[index] = fragment_buffer
+            gradient = gradient.add(fragment_buffer, alpha=self.beta)
+        values = self.anchor.data[index].add_(gradient, alpha=-self.lr)
+        self.anchor.data[index] = values
+        return values
+
     def momentum(self) -> torch.Tensor:
         """The momentum buffer (zeros before the first step)."""
         buffer = self.optimizer.state.get(self.anchor, {}).get("momentum_buffer")

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from p2p_diloco.config import load_config
@@ -22,11 +23,16 @@ def _child_setup() -> None:
     die_with_parent(signal.SIGTERM)
 
 
-def spawn(args: list[str], log_path: Path | None = None, **kwargs) -> subprocess.Popen:
-    """Start `python -m p2p_diloco ARGS` in its own session, dying with this process."""
+def spawn(
+    args: list[str], log_path: Path | None = None, command_prefix: Sequence[str] = (), **kwargs
+) -> subprocess.Popen:
+    """Start `python -m p2p_diloco ARGS` in its own session, dying with this process.
+
+    `command_prefix` wraps the command, e.g. `ip netns exec NS` to run it inside a network namespace.
+    """
     stdout = open(log_path, "w") if log_path is not None else kwargs.pop("stdout", None)  # noqa: SIM115
     return subprocess.Popen(
-        [sys.executable, "-m", "p2p_diloco", *args],
+        [*command_prefix, sys.executable, "-m", "p2p_diloco", *args],
         stdout=stdout,
         stderr=subprocess.STDOUT if log_path is not None else kwargs.pop("stderr", None),
         start_new_session=True,
@@ -51,13 +57,15 @@ def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
     process.wait()
 
 
-def start_bootstrap(out: Path, run_id: str = RUN_ID) -> tuple[subprocess.Popen, list[str]]:
-    """Start a bootstrap on 127.0.0.1 and return it with its multiaddrs, read from its output."""
+def start_bootstrap(
+    out: Path, run_id: str = RUN_ID, host: str = "127.0.0.1", command_prefix: Sequence[str] = ()
+) -> tuple[subprocess.Popen, list[str]]:
+    """Start a bootstrap listening on `host` and return it with its multiaddrs, read from its output."""
     process = spawn(
         [
             "bootstrap",
             "--host-maddrs",
-            "/ip4/127.0.0.1/tcp/0",
+            f"/ip4/{host}/tcp/0",
             "--run-id",
             run_id,
             "--maddrs-file",
@@ -66,6 +74,7 @@ def start_bootstrap(out: Path, run_id: str = RUN_ID) -> tuple[subprocess.Popen, 
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
+        command_prefix=command_prefix,
     )
     maddrs = []
     for line in process.stdout:

@@ -12,6 +12,7 @@ from conftest import TINY, LocalSwarm, wait_until
 from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint
 from p2p_diloco.config import load_config
 from p2p_diloco.data import BatchStream, load_shards
+from p2p_diloco.fragments import fragment_layout
 from p2p_diloco.island import data_seed
 from p2p_diloco.model import build_model
 from p2p_diloco.outer import (
@@ -40,9 +41,11 @@ def test_three_islands_train_one_model(local_swarm: LocalSwarm) -> None:
 
     for peer in peers:
         records = peer.records()
-        assert [r["outer_step"] for r in records] == list(range(1, 7))
+        steps = [r["outer_step"] for r in records]
+        # An island that misses a round (a slow start) catches up by adopting the group's state: it may skip one.
+        assert steps == sorted(set(steps)) and steps[-1] == 6 and len(steps) >= 5, steps
         merged_rounds = sum(r["partners"] > 0 for r in records)
-        assert merged_rounds >= 4, f"{peer.name} merged in only {merged_rounds} of 6 rounds"
+        assert merged_rounds >= 4, f"{peer.name} merged in only {merged_rounds} of {len(records)} rounds"
         assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.3
         assert all(r["bytes_sent"] > 0 for r in records if r["partners"] > 0)
 
@@ -62,45 +65,82 @@ def test_three_islands_train_one_model(local_swarm: LocalSwarm) -> None:
 
 
 def reference_diloco(config, num_islands: int) -> torch.Tensor:
-    """Plain single-process DiLoCo: every island in every round, equal shards, mean of pseudo-gradients."""
+    """Single-process (Streaming) DiLoCo: every island in every round, equal shards, mean of pseudo-gradients.
+
+    With train.fragments = P, round r syncs fragment r mod P after H/P inner steps; with train.overlap_steps = τ
+    its mean lands τ inner steps into the next round and is mixed into the local weights with train.mix_alpha.
+    """
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    train = config.train
     try:
         shards = load_shards(config.data)
-        anchor_model = build_model(config.model, seed=config.train.seed)
+        anchor_model = build_model(config.model, seed=train.seed)
         outer = OuterOptimizer(
-            flatten_parameters(anchor_model.parameters()),
-            lr=config.train.outer_lr,
-            momentum=config.train.outer_momentum,
+            flatten_parameters(anchor_model.parameters()), lr=train.outer_lr, momentum=train.outer_momentum
         )
+        fragments = fragment_layout(anchor_model, train.fragments) if train.fragments > 1 else None
         islands = []
         for index in range(num_islands):
-            model = build_model(config.model, seed=config.train.seed)
-            optimizer, scheduler = make_inner_optimizer(
-                model, config.train.lr, config.train.weight_decay, config.train.warmup_steps
-            )
+            model = build_model(config.model, seed=train.seed)
+            optimizer, scheduler = make_inner_optimizer(model, train.lr, train.weight_decay, train.warmup_steps)
             stream = BatchStream(
                 shards.train_shard(index, num_islands),
-                config.train.batch_size,
+                train.batch_size,
                 config.model.seq_len,
-                seed=data_seed(config.train.seed, index, ""),
+                seed=data_seed(train.seed, index, ""),
             )
             islands.append((model, optimizer, scheduler, stream))
-        for _ in range(config.train.outer_steps):
-            deltas = []
+
+        def inner(steps: int) -> None:
             for model, optimizer, scheduler, stream in islands:
-                for _ in range(config.train.inner_steps):
+                for _ in range(steps):
                     inputs, targets = stream.next_batch()
                     _, loss = model(inputs, targets)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.grad_clip)
                     optimizer.step()
                     scheduler.step()
-                deltas.append(pseudo_gradient(outer.anchor.data, flatten_parameters(model.parameters())))
-            anchor = outer.step(torch.stack(deltas).mean(dim=0))
+
+        def land(fragment: int | None, update: torch.Tensor) -> None:
+            if fragment is None:
+                anchor = outer.step(update)
+            else:
+                outer.step_fragment(update, fragments[fragment].index)
+                anchor = outer.anchor.data
             for model, *_ in islands:
-                assign_parameters_(model.parameters(), anchor)
+                if fragment is None and train.overlap_steps == 0:
+                    assign_parameters_(model.parameters(), anchor)
+                    continue
+                local = flatten_parameters(model.parameters())
+                index = slice(None) if fragment is None else fragments[fragment].index
+                if train.overlap_steps > 0:
+                    local[index] = local[index].mul_(train.mix_alpha).add_(anchor[index], alpha=1.0 - train.mix_alpha)
+                else:
+                    local[index] = anchor[index]
+                assign_parameters_(model.parameters(), local)
+
+        steps = train.inner_steps // train.fragments
+        pending = None
+        for round_index in range(train.outer_steps):
+            early = min(train.overlap_steps, steps) if pending is not None else 0
+            inner(early)
+            if pending is not None:
+                land(*pending)
+                pending = None
+            inner(steps - early)
+            fragment = None if fragments is None else round_index % train.fragments
+            deltas = []
+            for model, *_ in islands:
+                delta = pseudo_gradient(outer.anchor.data, flatten_parameters(model.parameters()))
+                deltas.append(delta if fragment is None else delta[fragments[fragment].index])
+            pending = (fragment, torch.stack(deltas).mean(dim=0))
+            if train.overlap_steps == 0:
+                land(*pending)
+                pending = None
+        if pending is not None:
+            land(*pending)
         return outer.anchor.data.clone()
     finally:
         torch.set_num_threads(threads)
@@ -121,6 +161,34 @@ def test_swarm_equals_reference_diloco(local_swarm: LocalSwarm) -> None:
         anchor = load_checkpoint(latest_checkpoint(peer.checkpoint_dir))["anchor"]
         difference = (anchor - expected).abs().max().item()
         assert difference < 1e-4, f"{peer.name} differs from reference DiLoCo by {difference}"
+
+
+def test_streaming_swarm_equals_reference_streaming_diloco(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    overrides = {
+        "train.outer_steps": 4,
+        "train.inner_steps": 10,
+        "train.fragments": 2,
+        "train.overlap_steps": 2,
+        "data.num_shards": 3,
+    }
+    args = ["--num-shards", "3", "--outer-steps", "4", "--inner-steps", "10", "--fragments", "2"]
+    args += ["--overlap-steps", "2", "--quorum", "3", "--target-group-size", "3", "--averaging-timeout", "90"]
+    peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+        landed = [r for r in peer.records() if r["fragment"] is not None]
+        assert [r["fragment"] for r in landed] == [0, 1, 0, 1], peer.records()
+        assert all(r["partners"] == 2 for r in landed), peer.records()
+        assert all(r["inner_steps"] == 5 for r in peer.records()[:-1])
+        payload = sum(r["bytes_sent"] for r in peer.records())
+        assert 0 < payload < peer.records()[-1]["transport_sent"], "TCP bytes must include the payload"
+
+    expected = reference_diloco(load_config(TINY, overrides), num_islands=3)
+    for peer in peers:
+        anchor = load_checkpoint(latest_checkpoint(peer.checkpoint_dir))["anchor"]
+        difference = (anchor - expected).abs().max().item()
+        assert difference < 1e-4, f"{peer.name} differs from reference Streaming DiLoCo by {difference}"
 
 
 def test_late_joiner_starts_from_swarm_anchor(local_swarm: LocalSwarm) -> None:

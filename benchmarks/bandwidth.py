@@ -1,0 +1,185 @@
+"""Bytes on the wire per training token, per codec, against data-parallel; and what each codec costs in quality.
+
+For H in {50, 100} and every codec (fp32, fp16, bf16, int8, int4), 4 islands train the default model for the
+same number of tokens, every round merging all four (quorum 4, so codecs are compared on identical schedules).
+Each island counts the payload bytes its all-reduce sends and the TCP bytes its libp2p daemon sends (framing,
+encryption, DHT and matchmaking included). Data-parallel with a ring all-reduce sends 2·P·4 bytes per worker
+per step (P parameters, fp32), so
+
+    ratio_vs_data_parallel = (2·P·4 / tokens per step) / (payload bytes sent per island / tokens per island)
+
+`ratio_vs_ring_same_peers` uses the exact ring cost among the same 4 peers, 2·(M−1)/M·P·4, instead, and
+`transport_ratio_vs_data_parallel` counts TCP bytes instead of payload bytes.
+
+    python benchmarks/bandwidth.py           # H = 50 and 100, 5 codecs, default model (about 8 minutes on 2 cores)
+    python benchmarks/bandwidth.py --quick   # the same grid on the tiny model, fewer steps
+    python benchmarks/bandwidth.py --smoke   # fp32 and int8, 2 islands, tiny model (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+from common import machine, run_islands
+
+from p2p_diloco.config import load_config
+from p2p_diloco.model import build_model, count_parameters
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+CODECS = ["fp32", "fp16", "bf16", "int8", "int4"]
+
+
+def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path) -> dict:
+    """One swarm with one codec and H; returns its row."""
+    name = f"bandwidth-h{inner_steps}-{codec}"
+    flags = ["--inner-steps", str(inner_steps), "--outer-steps", str(outer_steps), "--codec", codec]
+    flags += ["--num-shards", str(args.islands), "--quorum", str(args.islands)]
+    flags += ["--target-group-size", str(args.islands), "--averaging-timeout", "120", "--batch-size", "8"]
+    flags += ["--eval-batches", "16"]
+    if args.tiny:
+        flags += ["--config", str(REPO / "peers" / "tiny.toml")]
+    records, exit_codes, wall = run_islands(
+        out / name,
+        name,
+        args.islands,
+        flags,
+        per_island=lambda index: ["--shard-index", str(index)],
+        timeout=args.timeout,
+    )
+    config = load_config(REPO / "peers" / "tiny.toml" if args.tiny else None)
+    parameters = count_parameters(build_model(config.model, seed=0))
+    tokens_per_step = 8 * config.model.seq_len
+    dp_bytes_per_token = 2 * parameters * 4 / tokens_per_step
+    ring_bytes_per_token = 2 * (args.islands - 1) / args.islands * parameters * 4 / tokens_per_step
+    payload, transport, tokens, finals, merged_rounds = [], [], [], [], 0
+    for recs in records.values():
+        if not recs:
+            continue
+        payload.append(sum(r["bytes_sent"] for r in recs))
+        transport.append(recs[-1]["transport_sent"] or 0.0)
+        tokens.append(recs[-1]["tokens"])
+        finals.append(recs[-1]["eval_loss"])
+        merged_rounds += sum(1 for r in recs if r["merged"])
+    per_token = sum(payload) / max(1, sum(tokens))
+    transport_per_token = sum(transport) / max(1, sum(tokens))
+    row = {
+        "codec": codec,
+        "H": inner_steps,
+        "outer_steps": outer_steps,
+        "islands": args.islands,
+        "parameters": parameters,
+        "tokens_per_island": sum(tokens) / max(1, len(tokens)),
+        "payload_bytes_per_token": per_token,
+        "transport_bytes_per_token": transport_per_token,
+        "data_parallel_bytes_per_token": dp_bytes_per_token,
+        "ratio_vs_data_parallel": dp_bytes_per_token / per_token if per_token else None,
+        "ratio_vs_ring_same_peers": ring_bytes_per_token / per_token if per_token else None,
+        "transport_ratio_vs_data_parallel": dp_bytes_per_token / transport_per_token if transport_per_token else None,
+        "final_eval_loss": sum(finals) / len(finals) if finals else None,
+        "merged_rounds": merged_rounds,
+        "exit_codes": exit_codes,
+        "wall_s": wall,
+    }
+    print(
+        f"H={inner_steps:<4} {codec:<5} payload {per_token:8.2f} B/token  ratio vs DP "
+        f"{row['ratio_vs_data_parallel'] or 0:7.1f}x  (TCP {row['transport_ratio_vs_data_parallel'] or 0:6.1f}x)  "
+        f"eval {row['final_eval_loss'] or float('nan'):.4f}  {wall:.0f}s",
+        flush=True,
+    )
+    return row
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Bandwidth ratio and final eval loss per codec, one bar group per H."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values_of_h = sorted({row["H"] for row in rows})
+    codecs = [c for c in CODECS if any(row["codec"] == c for row in rows)]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(values_of_h)
+    for offset, h in enumerate(values_of_h):
+        by_codec = {row["codec"]: row for row in rows if row["H"] == h}
+        xs = [i + offset * width for i in range(len(codecs))]
+        left.bar(xs, [by_codec[c]["ratio_vs_data_parallel"] or 0 for c in codecs], width, label=f"H={h}")
+        right.bar(xs, [by_codec[c]["final_eval_loss"] or 0 for c in codecs], width, label=f"H={h}")
+    for axis, title in ((left, "bytes per token: data-parallel / island (x)"), (right, "final eval loss")):
+        axis.set_xticks([i + width * (len(values_of_h) - 1) / 2 for i in range(len(codecs))], codecs)
+        axis.set_title(title)
+        axis.legend()
+    losses = [row["final_eval_loss"] for row in rows if row["final_eval_loss"]]
+    if losses:
+        right.set_ylim(min(losses) * 0.98, max(losses) * 1.01)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every (H, codec) and write bandwidth.json and bandwidth.png (bandwidth-smoke.* with --smoke)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny model, fewer outer steps")
+    parser.add_argument("--smoke", action="store_true", help="fp32 and int8, 2 islands, tiny model, H = 10")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
+    args = parser.parse_args(argv)
+    args.islands, args.tiny = 4, False
+    grid = {50: 8, 100: 4}  # H -> outer steps: every H sees the same number of tokens
+    codecs = CODECS
+    if args.quick:
+        args.tiny, grid = True, {50: 4, 100: 2}
+    if args.smoke:
+        args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    runs = args.out / "bandwidth-runs"
+    rows = [run_one(codec, h, steps, args, runs) for h, steps in grid.items() for codec in codecs]
+    target_h = max(grid)
+    at_target = {row["codec"]: row for row in rows if row["H"] == target_h}
+    fp32_loss = at_target["fp32"]["final_eval_loss"] if "fp32" in at_target else None
+    result = {
+        "H": target_h,
+        "ratio_vs_data_parallel": {c: row["ratio_vs_data_parallel"] for c, row in at_target.items()},
+        "final_eval_loss": {c: row["final_eval_loss"] for c, row in at_target.items()},
+        "loss_vs_fp32": {
+            c: (row["final_eval_loss"] / fp32_loss - 1.0) if fp32_loss and row["final_eval_loss"] else None
+            for c, row in at_target.items()
+        },
+        "by_H": {
+            str(h): {
+                "ratio_vs_data_parallel": {r["codec"]: r["ratio_vs_data_parallel"] for r in rows if r["H"] == h},
+                "ratio_vs_ring_same_peers": {r["codec"]: r["ratio_vs_ring_same_peers"] for r in rows if r["H"] == h},
+                "transport_ratio_vs_data_parallel": {
+                    r["codec"]: r["transport_ratio_vs_data_parallel"] for r in rows if r["H"] == h
+                },
+                "final_eval_loss": {r["codec"]: r["final_eval_loss"] for r in rows if r["H"] == h},
+            }
+            for h in grid
+        },
+        "targets": {"int8_ratio_at_H100": 400, "int4_ratio_at_H100": 800, "loss_within": 0.005},
+        "rows": rows,
+        "notes": (
+            "Payload bytes are what the all-reduce sends (each island sends (M-1)/M of its vector to the other "
+            "reducers and returns the averaged part it reduced to the others, so about 2(M-1)/M values per "
+            "round); the data-parallel baseline is the issue's 2*P*4 bytes per step. TCP bytes also count libp2p "
+            "framing, encryption, DHT announces and matchmaking, which weigh more on small models."
+        ),
+        "command": "python benchmarks/bandwidth.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+    }
+    name = "bandwidth-smoke" if args.smoke else "bandwidth"
+    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(rows, args.out / f"{name}.png")
+    print(f"wrote {args.out / (name + '.json')} and {name}.png")
+    failed = [row for row in rows if any(code != 0 for code in row["exit_codes"])]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
