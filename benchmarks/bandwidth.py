@@ -11,7 +11,7 @@ per step (P parameters, fp32), so
 `ratio_vs_ring_same_peers` uses the exact ring cost among the same 4 peers, 2·(M−1)/M·P·4, instead, and
 `transport_ratio_vs_data_parallel` counts TCP bytes instead of payload bytes.
 
-    python benchmarks/bandwidth.py           # H = 50 and 100, 5 codecs, default model (about 8 minutes on 2 cores)
+    python benchmarks/bandwidth.py           # H = 50 and 100, 5 codecs, default model (about 6 minutes on 2 cores)
     python benchmarks/bandwidth.py --quick   # the same grid on the tiny model, fewer steps
     python benchmarks/bandwidth.py --smoke   # fp32 and int8, 2 islands, tiny model (used by the tests)
 """
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
     args = parser.parse_args(argv)
     args.islands, args.tiny = 4, False
-    grid = {50: 8, 100: 4}  # H -> outer steps: every H sees the same number of tokens
+    grid = {50: 4, 100: 2}  # H -> outer steps: every H sees the same number of tokens
     codecs = CODECS
     if args.quick:
         args.tiny, grid = True, {50: 4, 100: 2}

@@ -6,7 +6,7 @@ goodput (useful training tokens per second summed over islands, relative to the 
 the final eval loss, the time from a restart to the restarted island's first merged round, and whether any
 island exited with an error it should have survived.
 
-    python benchmarks/chaos.py            # 5 islands, 120 s per run, 4 runs (about 10 minutes)
+    python benchmarks/chaos.py            # 5 islands, 90 s per run, 4 runs (about 7 minutes)
     python benchmarks/chaos.py --quick    # 4 islands, 60 s per run
     python benchmarks/chaos.py --smoke    # 3 islands, tiny model, short runs (used by the tests)
 """
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         islands, budget, kill_every, restart_after, stop_every, stop_for = 4, 60.0, 20.0, 8.0, 25.0, 6.0
     else:
-        islands, budget, kill_every, restart_after, stop_every, stop_for = 5, 120.0, 30.0, 10.0, 40.0, 8.0
+        islands, budget, kill_every, restart_after, stop_every, stop_for = 5, 90.0, 30.0, 10.0, 40.0, 8.0
     schedule = Schedule.make(
         seed=args.seed,
         islands=islands,

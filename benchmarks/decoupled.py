@@ -5,7 +5,7 @@ adaptive grace window, with plain-mean, token-weighted and RDA merges (and Delay
 island's final eval loss, goodput (training tokens per second summed over islands) and the fraction of
 wall-clock time the fast islands spent blocked on the network.
 
-    python benchmarks/decoupled.py            # full run (about 9 minutes on 2 cores)
+    python benchmarks/decoupled.py            # full run, 45 s per configuration (about 7 minutes on 2 cores)
     python benchmarks/decoupled.py --quick    # every configuration, short budget
     python benchmarks/decoupled.py --smoke    # two configurations on the tiny model (used by the tests)
 """
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     configs = [c for c in CONFIGS if c[0] in SMOKE] if args.smoke else CONFIGS
-    budget = args.budget or (12 if args.smoke else 30 if args.quick else 60)
+    budget = args.budget or (12 if args.smoke else 30 if args.quick else 45)
     inner_steps = 10 if args.smoke else 20
     rows = []
     for name, mode, merge, flags in configs:

@@ -899,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--values", type=int, nargs="+", help="vector sizes (default 10M 50M)")
     parser.add_argument("--peers", type=int, nargs="+", help="group sizes (default 2 4)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 3)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 2; 3 with --quick)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled p2p_diloco run")
     parser.add_argument("--out", default=str(RESULTS), help="folder for the JSON and the PNG")
@@ -922,7 +922,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         values, peers, rounds = [10_000_000], [2, 4], 3
     else:
-        values, peers, rounds = [10_000_000, 50_000_000], [2, 4], 3
+        values, peers, rounds = [10_000_000, 50_000_000], [2, 4], 2
     values, peers = args.values or values, args.peers or peers
     rounds = args.rounds or rounds
     profile = [] if args.smoke or args.no_profile else [s for s in ("hivemind", "p2p_diloco") if s in args.systems]

@@ -102,12 +102,33 @@ def simulator(data: dict) -> str:
 
 
 def bandwidth(data: dict) -> str:
-    """Bytes per token vs data-parallel."""
-    rows = [
-        [codec, data["ratio_vs_data_parallel"].get(codec), data.get("final_eval_loss", {}).get(codec)]
-        for codec in data["ratio_vs_data_parallel"]
-    ]
-    return f"H = {data.get('H')}\n\n" + _table(["codec", "less bandwidth than data-parallel (x)", "final eval"], rows)
+    """Bytes per token vs data-parallel, per H and codec, and the codecs' final eval loss."""
+    by_h = data.get("by_H") or {str(data.get("H")): data}
+    rows = []
+    for h, block in by_h.items():
+        for codec, ratio in block["ratio_vs_data_parallel"].items():
+            rows.append(
+                [
+                    h,
+                    codec,
+                    ratio,
+                    block.get("transport_ratio_vs_data_parallel", {}).get(codec),
+                    block.get("final_eval_loss", {}).get(codec),
+                ]
+            )
+    header = ["H", "codec", "payload: x less than data-parallel", "TCP: x less", "final eval loss"]
+    return _table(header, rows)
+
+
+def utilization(data: dict) -> str:
+    """Compute fraction on a slow link, blocking vs streaming."""
+    rows = [[mode, fraction] for mode, fraction in data["compute_fraction"].items()]
+    setup = data.get("link_setup")
+    return (
+        f"link: {data['link']} ({'; '.join(setup) if isinstance(setup, list) else setup}); H = {data.get('H')}, "
+        f"streaming P = {data.get('fragments')}, τ = {data.get('overlap_steps')}\n\n"
+        + _table(["mode", "fraction of wall-clock computing"], rows)
+    )
 
 
 SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
@@ -117,6 +138,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("simulator", "Simulated goodput at scale", simulator),
     ("decoupled", "Decoupled merging with a 3x slower island", decoupled),
     ("bandwidth", "Bandwidth vs data-parallel", bandwidth),
+    ("utilization", "Compute utilization on a slow link", utilization),
 ]
 
 

@@ -1,0 +1,58 @@
+"""The bandwidth and utilization benchmarks' smoke modes, so they cannot silently rot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import benchmarks_path  # noqa: F401
+from utilization import compute_fraction
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(script: str, tmp_path: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+
+
+def test_bandwidth_benchmark_smoke(tmp_path: Path) -> None:
+    completed = _run("bandwidth.py", tmp_path)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads((tmp_path / "bandwidth-smoke.json").read_text())
+    assert {"H", "ratio_vs_data_parallel", "final_eval_loss", "command", "date", "machine"} <= set(result)
+    ratios = result["ratio_vs_data_parallel"]
+    assert set(ratios) == {"fp32", "int8"}
+    # 2 islands send about 1 value per value and round; int8 about a quarter of fp32's bytes
+    assert ratios["fp32"] > 1 and ratios["int8"] / ratios["fp32"] > 2.5, ratios
+    for row in result["rows"]:
+        assert row["merged_rounds"] > 0 and row["transport_bytes_per_token"] > row["payload_bytes_per_token"]
+    assert (tmp_path / "bandwidth-smoke.png").stat().st_size > 0
+
+
+def test_utilization_benchmark_smoke(tmp_path: Path) -> None:
+    completed = _run("utilization.py", tmp_path)
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads((tmp_path / "utilization-smoke.json").read_text())
+    assert result["link"] in ("netns", "limiter")
+    fractions = result["compute_fraction"]
+    assert set(fractions) == {"blocking", "streaming"}
+    assert all(0 < value <= 1 for value in fractions.values()), fractions
+    streaming = next(row for row in result["rows"] if row["mode"] == "streaming")
+    assert all(count > 0 for count in streaming["merged_rounds"].values()), streaming
+    assert not list(Path("/var/run/netns").glob("p2pdu-*")), "the benchmark left network namespaces behind"
+
+
+def test_compute_fraction_excludes_evaluation() -> None:
+    records = [
+        {"time": 10.0, "round_s": 4.0, "compute_s": 2.0, "eval_s": 1.0},
+        {"time": 14.0, "round_s": 4.0, "compute_s": 2.0, "eval_s": 1.0},
+    ]
+    assert compute_fraction(records) == 4.0 / (8.0 - 2.0)
