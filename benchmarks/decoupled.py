@@ -16,13 +16,9 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from pathlib import Path
 
-from common import machine
-
-from p2p_diloco.metrics import read_metrics
-from p2p_diloco.swarm import spawn, start_bootstrap, stop
+from common import machine, run_islands
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -58,57 +54,37 @@ def run_config(
     out: Path,
 ) -> dict:
     """One configuration: bootstrap + islands for `budget` seconds; returns its row."""
-    folder = out / name
-    folder.mkdir(parents=True, exist_ok=True)
-    bootstrap, maddrs = start_bootstrap(folder, run_id=name)
-    children = []
-    try:
-        for index in range(islands):
-            args = [
-                "peer",
-                "--initial-peers",
-                *maddrs,
-                "--run-id",
-                name,
-                "--shard-index",
-                str(index),
-                "--num-shards",
-                str(islands),
-                "--metrics",
-                str(folder / f"island-{index}.jsonl"),
-                "--outer-steps",
-                "100000",
-                "--time-budget-s",
-                str(budget),
-                "--inner-steps",
-                str(inner_steps),
-                "--target-group-size",
-                str(islands),
-                "--merge",
-                merge,
-                "--min-matchmaking-time",
-                "0.5",
-                "--request-timeout",
-                "0.4",
-                "--eval-batches",
-                "8",
-                *flags,
-            ]
-            if tiny:
-                args += ["--config", str(REPO / "peers" / "tiny.toml")]
-            if index == islands - 1 and slow > 1:
-                args += ["--slowdown", str(slow)]
-            (folder / f"island-{index}.jsonl").unlink(missing_ok=True)
-            children.append(spawn(args, log_path=folder / f"island-{index}.log"))
-        started = time.monotonic()
-        for child in children:
-            child.wait(budget + 300)
-        wall = time.monotonic() - started
-    finally:
-        for child in children:
-            stop(child)
-        stop(bootstrap)
-    records = {f"island-{i}": read_metrics(folder / f"island-{i}.jsonl") for i in range(islands)}
+    flags = [
+        "--num-shards",
+        str(islands),
+        "--outer-steps",
+        "100000",
+        "--time-budget-s",
+        str(budget),
+        "--inner-steps",
+        str(inner_steps),
+        "--target-group-size",
+        str(islands),
+        "--merge",
+        merge,
+        "--min-matchmaking-time",
+        "0.5",
+        "--request-timeout",
+        "0.4",
+        "--eval-batches",
+        "8",
+        *flags,
+    ]
+    if tiny:
+        flags += ["--config", str(REPO / "peers" / "tiny.toml")]
+
+    def island_flags(index: int) -> list[str]:
+        slower = ["--slowdown", str(slow)] if index == islands - 1 and slow > 1 else []
+        return ["--shard-index", str(index), *slower]
+
+    records, exit_codes, wall = run_islands(
+        out / name, name, islands, flags, per_island=island_flags, timeout=budget + 300
+    )
     fast = [f"island-{i}" for i in range(islands - 1)] if slow > 1 else list(records)
     tokens = sum(recs[-1]["tokens"] for recs in records.values() if recs)
     busy = {island: sum(r["round_s"] for r in recs) for island, recs in records.items()}
@@ -127,7 +103,7 @@ def run_config(
         },
         "mean_grace_s": sum(r["grace_s"] or 0 for recs in records.values() for r in recs)
         / max(1, sum(len(recs) for recs in records.values())),
-        "exit_codes": [child.returncode for child in children],
+        "exit_codes": exit_codes,
         "wall_s": wall,
     }
 

@@ -98,12 +98,26 @@ class StrictAllReduceRunner(AllReduceRunner):
         super().__init__(**kwargs)
         self.byte_counters = byte_counters
         self.link = LinkLimiter.from_env()
+        reduces = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] > 0
+        self._remote_senders = sum(peer != self.peer_id for peer in self.sender_peer_ids) if reduces else 0
+        self._closed_sender_streams = 0
+        self._replies_sent = asyncio.Event()
+        if self._remote_senders == 0:
+            self._replies_sent.set()
         self.tensor_part_reducer.num_parts = 0  # retire the stock reducer quietly (it would warn on deletion)
         self.tensor_part_reducer.finalize()
         self.tensor_part_reducer = StrictPartReducer(
             tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
         )
         self._compression_type = self.tensor_part_container.compression.compression_type
+
+    async def wait_for_replies(self, timeout: float) -> None:
+        """Wait (at most `timeout` s) until every sender's stream to this reducer has closed, so that the bytes
+        this member sends as a reducer count in this round rather than trickling into the next one."""
+        try:
+            await asyncio.wait_for(self._replies_sent.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.debug("a sender's stream to this reducer is still open; its bytes may count in a later round")
 
     @property
     def failed_size(self) -> int:
@@ -197,6 +211,9 @@ class StrictAllReduceRunner(AllReduceRunner):
                     await self.link.send(serialized.ByteSize())
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
+            self._closed_sender_streams += 1
+            if self._closed_sender_streams >= self._remote_senders:
+                self._replies_sent.set()
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 

@@ -94,6 +94,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             # A sum is ~25x cheaper than an elementwise check and is NaN/inf whenever any value is.
             if not all(bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all()) for tensor in tensors):
                 raise AllreduceException("partial all-reduce: a group member failed mid-round")
+            await runner.wait_for_replies(timeout=self.next_chunk_timeout or 5.0)
         except BaseException:
             # Never leave a half-averaged buffer behind, not even for a retry within the same step.
             for tensor, saved in zip(tensors, backup):

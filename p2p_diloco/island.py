@@ -7,7 +7,8 @@ import logging
 import threading
 import time
 import zlib
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -77,6 +78,20 @@ class Landed:
     swarm_step: int = 0
 
 
+def in_background(function: Callable[..., Any], *args: Any) -> Future:
+    """Run `function(*args)` in a daemon thread (an exchange in flight must never hold up the exit)."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(function(*args))
+        except BaseException as error:  # handed to whoever lands the exchange
+            future.set_exception(error)
+
+    threading.Thread(target=target, name="exchange", daemon=True).start()
+    return future
+
+
 def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
     """Identifies what islands must share: parameter names and shapes, the model config, the exchange schema."""
     schema = "rda" if config.network.merge == "rda" else "flat"
@@ -108,7 +123,6 @@ class Island:
         self.error_feedback: dict[int | None, ErrorFeedback] | None = None
         self.pending: PendingMerge | None = None
         self.transport: TransportMeter | None = None
-        self._background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="exchange")
 
     # ----- state served to and loaded from peers -------------------------------------------------------
     def _state_for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -528,12 +542,15 @@ class Island:
             landed.staleness, landed.swarm_step = staleness, swarm_step
         else:
             pending = PendingMerge(fragment, pre_digest, delta, staleness, swarm_step)
-            pending.future = self._background.submit(
-                self._merge, delta, fragment, tokens, steps, staleness, ready, compute_s
-            )
-            self.pending = pending
-            if config.train.overlap_steps == 0:
+            merge_args = (delta, fragment, tokens, steps, staleness, ready, compute_s)
+            if config.train.overlap_steps == 0:  # blocking: exchange in this thread, land at once
+                pending.future = Future()
+                pending.future.set_result(self._merge(*merge_args))
+                self.pending = pending
                 landed = self._land()
+            else:
+                pending.future = in_background(self._merge, *merge_args)
+                self.pending = pending
         eval_start = time.monotonic()
         eval_loss = self._evaluate()
         record = self._record(landed, losses, steps, compute_s, round_start)
@@ -690,7 +707,6 @@ class Island:
 
     def close(self) -> None:
         """Stop the averager and the DHT, leaving no child process behind."""
-        self._background.shutdown(wait=True, cancel_futures=True)
         if self.exchange is not None:
             try:
                 self.exchange.shutdown()

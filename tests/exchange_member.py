@@ -36,6 +36,7 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=30.0, help="seconds to find the group")
     parser.add_argument("--chunk-timeout", type=float, default=3.0, help="next_chunk_timeout")
     parser.add_argument("--outer-step", type=int, default=None, help="gather an island's staleness metadata")
+    parser.add_argument("--schema-tag", type=int, default=None, help="exchange this fragment only")
     args = parser.parse_args()
 
     dht = start_dht(
@@ -59,6 +60,8 @@ def main() -> None:
         staleness_rule=STALENESS_RULE,
     )
     try:
+        if args.schema_tag is not None:
+            exchange.averager.set_schema_tag(args.schema_tag)
         print(f"READY {dht.get_visible_maddrs()[0]}", flush=True)
         assert sys.stdin.readline().strip() == "GO"
         vector = member_vector(args.seed, args.size)

@@ -171,6 +171,16 @@ def test_group_applies_the_staleness_rule_against_its_newest_member(members: Mem
     assert len({json.dumps(result) for result in merged}) == 1, "members ended with different bits"
 
 
+def test_members_exchanging_different_fragments_never_average(members: Members) -> None:
+    size = 20_000
+    first = members.start(41, size, 2, [], "--schema-tag", "0", "--timeout", "6")
+    members.start(42, size, 2, [first.maddr], "--schema-tag", "1", "--timeout", "6")
+    members.go()
+    results = [members.result(process) for process in members.processes]
+    assert all(result["merged"] is None for result in results), results
+    assert all(result["restored"] for result in results), results
+
+
 def test_member_killed_mid_round_never_leaves_a_partial_average(members: Members) -> None:
     size, seeds = 2_000_000, [11, 12, 13]
     first = members.start(seeds[0], size, 3, [], "--timeout", "12")

@@ -31,7 +31,7 @@ def test_bandwidth_benchmark_smoke(tmp_path: Path) -> None:
     ratios = result["ratio_vs_data_parallel"]
     assert set(ratios) == {"fp32", "int8"}
     # 2 islands send about 1 value per value and round; int8 about a quarter of fp32's bytes
-    assert ratios["fp32"] > 1 and ratios["int8"] / ratios["fp32"] > 2.5, ratios
+    assert ratios["fp32"] > 1 and 3.0 < ratios["int8"] / ratios["fp32"] < 4.1, ratios
     for row in result["rows"]:
         assert row["merged_rounds"] > 0 and row["transport_bytes_per_token"] > row["payload_bytes_per_token"]
     assert (tmp_path / "bandwidth-smoke.png").stat().st_size > 0
