@@ -117,7 +117,7 @@ def run(
         (folder / f"island-{index}.jsonl").unlink(missing_ok=True)
     started = time.monotonic()
     processes = {index: start(index, budget) for index in range(islands)}
-    killed, restarts = [], []
+    killed, restarts, kill_times = [], [], []
     try:
         for at, action, index in schedule.events if schedule else []:
             delay = started + at - time.monotonic()
@@ -128,6 +128,7 @@ def run(
                 process.send_signal(signal.SIGKILL)  # the island alone: its DHT and p2pd must follow it
                 process.wait()
                 killed.append(process)
+                kill_times.append((index, time.time()))
             elif action == "restart":
                 processes[index] = start(index, budget - (time.monotonic() - started))
                 restarts.append((index, time.time()))
@@ -152,10 +153,17 @@ def run(
             previous = record["tokens"]
             if not (record.get("note") or "").count("stale"):
                 useful += max(0, gained)
-    recovery = []
+    recovery, killed_before_merging = [], 0
     for index, restarted_at in restarts:
-        merged_after = [r["time"] for r in records[index] if r["time"] > restarted_at and r["partners"] > 0]
-        recovery.append(merged_after[0] - restarted_at if merged_after else None)
+        # Only this incarnation counts: an island killed again before it merged has no recovery time.
+        next_kill = min((t for i, t in kill_times if i == index and t > restarted_at), default=float("inf"))
+        merged_after = [r["time"] for r in records[index] if restarted_at < r["time"] < next_kill and r["partners"] > 0]
+        if merged_after:
+            recovery.append(merged_after[0] - restarted_at)
+        elif next_kill < float("inf"):
+            killed_before_merging += 1
+        else:
+            recovery.append(None)
     errors = [
         f"island-{index} exited {process.returncode}"
         for index, process in processes.items()
@@ -176,6 +184,7 @@ def run(
         "goodput_tokens_per_s": useful / budget,
         "final_eval_loss": sum(final) / len(final) if final else None,
         "restart_to_first_merge_s": recovery,
+        "restarts_killed_before_merging": killed_before_merging,
         "errors": errors + fatal,
         "kills": len(killed),
         "wall_s": wall,
@@ -271,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         "goodput": goodput,
         "final_eval_loss": {mode: by[(mode, True)]["final_eval_loss"] for mode in MODES},
         "restart_to_first_merge_s": {mode: by[(mode, True)]["restart_to_first_merge_s"] for mode in MODES},
+        "restarts_killed_before_merging": {mode: by[(mode, True)]["restarts_killed_before_merging"] for mode in MODES},
         "unexpected_errors": {mode: by[(mode, True)]["errors"] + by[(mode, False)]["errors"] for mode in MODES},
         "runs": runs,
     }

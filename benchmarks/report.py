@@ -54,11 +54,13 @@ def chaos(data: dict) -> str:
             data["goodput"][mode],
             data["final_eval_loss"][mode],
             ", ".join(_fmt(x, 1) for x in data["restart_to_first_merge_s"][mode]) or "-",
+            data.get("restarts_killed_before_merging", {}).get(mode, "-"),
             "; ".join(data["unexpected_errors"][mode]) or "none",
         ]
         for mode in data["goodput"]
     ]
-    header = ["mode", "goodput (vs no faults)", "final eval loss", "restart → first merge (s)", "unexpected errors"]
+    header = ["mode", "goodput (vs no faults)", "final eval loss", "restart → first merge (s)"]
+    header += ["restarts killed again before merging", "unexpected errors"]
     return _table(header, rows)
 
 
