@@ -10,7 +10,7 @@ Both modes train the same number of tokens: blocking is P = 1, τ = 0 (training 
 streaming is P fragments with overlap τ (the exchange of a fragment runs while training goes on). Reported:
 compute_fraction = inner-step time / (wall-clock minus evaluation time), per island, averaged.
 
-    sudo python benchmarks/utilization.py          # default model, H = 50 (about 4 minutes on 2 cores)
+    sudo python benchmarks/utilization.py          # default model, H = 100 (about 3 minutes on 2 cores)
     python benchmarks/utilization.py --quick       # tiny model, fewer steps
     python benchmarks/utilization.py --smoke       # tiny model, 2 + 4 outer steps (used by the tests)
     python benchmarks/utilization.py --link limiter  # skip namespaces
@@ -121,6 +121,8 @@ def run_mode(name: str, flags: list[str], args: argparse.Namespace, link: dict |
     """One swarm of two islands in one mode; returns its row."""
     common = ["--inner-steps", str(args.inner_steps), "--num-shards", "2", "--quorum", "2"]
     common += ["--target-group-size", "2", "--averaging-timeout", "120", "--eval-batches", "4", "--batch-size", "8"]
+    # Matchmaking takes at least min_matchmaking_time: keep it inside the overlap window of the streaming mode.
+    common += ["--min-matchmaking-time", "0.5", "--request-timeout", "0.4"]
     if args.tiny:
         common += ["--config", str(REPO / "peers" / "tiny.toml")]
     prefix = host = None
@@ -186,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
-    args.tiny, args.inner_steps, syncs = False, 50, 6
+    args.tiny, args.inner_steps, syncs = False, 100, 4
     if args.quick:
         args.tiny, args.inner_steps, syncs = True, 40, 4
     if args.smoke:

@@ -198,6 +198,8 @@ class ExchangeResult:
     bytes_sent: float = 0.0
     bytes_recv: float = 0.0
     error: str | None = None
+    transport: tuple[int, int] | None = None
+    """Cumulative TCP (sent, received) bytes of the island's daemon, read right after this exchange."""
 
 
 class GossipExchange:

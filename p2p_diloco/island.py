@@ -478,7 +478,13 @@ class Island:
         if not is_finite(delta):
             logger.warning("local training produced NaN/inf; dropping this round's local progress")
             delta = torch.zeros_like(delta)
-        swarm = self._announce(check=False) if self.dht is not None else {}
+        overlap = config.train.overlap_steps > 0
+        if self.dht is None:
+            swarm = {}
+        elif overlap:  # announced by the last exchange, off the training thread; the group rule backs it up
+            swarm = getattr(self, "_swarm_view", {})
+        else:
+            swarm = self._announce(check=False)
         swarm_step = max([self.outer_step] + [int(info.get("outer_step", 0)) for info in swarm.values()])
         staleness = swarm_step - self.outer_step
         with self._lock:
@@ -498,7 +504,7 @@ class Island:
                 self.pending = pending
                 landed = self._land()
             else:
-                pending.future = in_background(self._merge, *merge_args)
+                pending.future = in_background(self._announce_and_merge, *merge_args)
                 self.pending = pending
         eval_start = time.monotonic()
         eval_loss = self._evaluate()
@@ -506,6 +512,15 @@ class Island:
         record["eval_loss"], record["eval_s"] = eval_loss, time.monotonic() - eval_start
         record["round_s"] = time.monotonic() - round_start
         return record, swarm
+
+    def _announce_and_merge(self, *merge_args: Any) -> tuple[torch.Tensor, ExchangeResult, RoundOutcome]:
+        """The background half of an overlapped round: announce (this refreshes the swarm view), merge, and
+        read the TCP counters, so that none of it costs training time."""
+        if self.dht is not None:
+            self._announce(check=False)
+        merged, result, outcome = self._merge(*merge_args)
+        result.transport = self.transport.read() if self.transport is not None else None
+        return merged, result, outcome
 
     def _evaluate(self) -> float:
         config = self.config
@@ -554,7 +569,9 @@ class Island:
         with self._lock:
             digest = state_digest(*self._outer_tensors())
         partners = list(result.partners.values())
-        transport = self.transport.read() if self.transport is not None else None
+        transport = getattr(result, "transport", None)
+        if transport is None and self.transport is not None and self.config.train.overlap_steps == 0:
+            transport = self.transport.read()
         return {
             "peer_id": self.peer_id,
             "run_id": config.network.run_id,
@@ -622,13 +639,9 @@ class Island:
             if self.pending is not None:  # the last fragment's exchange is still in flight: land it
                 round_start = time.monotonic()
                 record = self._record(self._land(), [record["loss"]], 0, 0.0, round_start)
-                record["eval_loss"] = evaluate(
-                    self.model,
-                    self.shards.eval,
-                    config.model.seq_len,
-                    config.train.batch_size,
-                    config.data.eval_batches,
-                )
+                eval_start = time.monotonic()
+                record["eval_loss"] = self._evaluate()
+                record["eval_s"] = time.monotonic() - eval_start
                 self._log_round(metrics, record, None, start_step)
                 rounds += 1
             return rounds
