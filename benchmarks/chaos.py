@@ -18,6 +18,7 @@ import datetime
 import json
 import os
 import random
+import shutil
 import signal
 import sys
 import time
@@ -76,7 +77,8 @@ def run(
     mode: str, schedule: Schedule | None, *, islands: int, budget: float, inner_steps: int, tiny: bool, folder: Path
 ) -> dict:
     """One run of `budget` seconds; returns its measurements."""
-    folder.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's checkpoints would be resumed from
+    folder.mkdir(parents=True)
     bootstrap, maddrs = start_bootstrap(folder, run_id=f"chaos-{mode}")
     flags = [flag.format(n=islands) for flag in MODES[mode]]
 
