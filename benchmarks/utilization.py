@@ -11,7 +11,7 @@ streaming is P fragments with overlap τ (the exchange of a fragment runs while 
 compute_fraction = inner-step time / (wall-clock minus evaluation time), per island, averaged.
 
     sudo python benchmarks/utilization.py          # default model, H = 100 (about 3 minutes on 2 cores)
-    python benchmarks/utilization.py --quick       # tiny model, fewer steps
+    python benchmarks/utilization.py --quick       # default model, H = 100, 2 full-model syncs
     python benchmarks/utilization.py --smoke       # tiny model, 2 + 4 outer steps (used by the tests)
     python benchmarks/utilization.py --link limiter  # skip namespaces
 """
@@ -178,7 +178,7 @@ def run_mode(name: str, flags: list[str], args: argparse.Namespace, link: dict |
 def main(argv: list[str] | None = None) -> int:
     """Blocking vs streaming on a shaped link; writes utilization.json and utilization.png."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, fewer outer steps")
+    parser.add_argument("--quick", action="store_true", help="default model, 2 full-model syncs per mode")
     parser.add_argument("--smoke", action="store_true", help="tiny model, very few steps (used by the tests)")
     parser.add_argument("--link", choices=["auto", "netns", "limiter"], default="auto")
     parser.add_argument("--rate-mbit", type=float, default=100.0)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.tiny, args.inner_steps, syncs = False, 100, 4
     if args.quick:
-        args.tiny, args.inner_steps, syncs = True, 40, 4
+        args.tiny, args.inner_steps, syncs = False, 100, 2
     if args.smoke:
         args.tiny, args.inner_steps, syncs = True, 10, 2
     tau = args.overlap_steps if args.overlap_steps is not None else args.inner_steps // args.fragments
