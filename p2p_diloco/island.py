@@ -412,6 +412,9 @@ class Island:
                 state.setdefault("momentum_buffer", torch.zeros_like(self.outer.anchor.data))[index] = donor[1]
                 if state_digest(*donor) == canonical[1]:  # donor had not applied this round yet
                     self.outer.step_fragment(merged, index)
+                # Take the group's clock too, so this island syncs the same fragments as the group from now on
+                # (a P-step lag would otherwise keep matching the same fragment, forever behind).
+                self.outer_step = canonical[0] + 1
         elif metadata.get("digest") == canonical[1]:  # donor had not applied this round yet
             with self._lock:
                 self._load_outer(tensors, canonical[0])
@@ -471,13 +474,6 @@ class Island:
         losses, tokens = losses + more_losses, tokens + more_tokens
         compute_s += time.monotonic() - rest_start
         ready = get_dht_time()
-        fragment = None if self.fragments is None else fragment_for_step(self.outer_step, config.train.fragments)
-        delta = pseudo_gradient(self.outer.anchor.data, flatten_parameters(self.model.parameters()))
-        if fragment is not None:
-            delta = delta[self.fragments[fragment].index]
-        if not is_finite(delta):
-            logger.warning("local training produced NaN/inf; dropping this round's local progress")
-            delta = torch.zeros_like(delta)
         overlap = config.train.overlap_steps > 0
         if self.dht is None:
             swarm = {}
@@ -487,6 +483,15 @@ class Island:
             swarm = self._announce(check=False)
         swarm_step = max([self.outer_step] + [int(info.get("outer_step", 0)) for info in swarm.values()])
         staleness = swarm_step - self.outer_step
+        # The fragment follows the swarm's clock: an island that fell behind syncs what the others sync (its
+        # contribution discounted by the staleness rule) and takes their clock when it resyncs that fragment.
+        fragment = None if self.fragments is None else fragment_for_step(swarm_step, config.train.fragments)
+        delta = pseudo_gradient(self.outer.anchor.data, flatten_parameters(self.model.parameters()))
+        if fragment is not None:
+            delta = delta[self.fragments[fragment].index]
+        if not is_finite(delta):
+            logger.warning("local training produced NaN/inf; dropping this round's local progress")
+            delta = torch.zeros_like(delta)
         with self._lock:
             pre_digest = state_digest(*self._outer_tensors(fragment))
         if self.exchange is not None and self.staleness_rule.factor(staleness) is None:

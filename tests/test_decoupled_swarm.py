@@ -64,3 +64,41 @@ def test_decoupled_benchmark_smoke(tmp_path: Path) -> None:
         assert {"mode", "merge", "final_eval_loss", "goodput", "blocked_fraction"} <= set(row)
         assert row["goodput"] > 0 and len(row["final_eval_loss"]) == 4
     assert (tmp_path / "decoupled-smoke.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_stalled_streaming_island_realigns_its_fragments(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    args = ["--outer-steps", "24", "--inner-steps", "10", "--num-shards", "3", "--fragments", "2"]
+    args += ["--overlap-steps", "2", "--next-chunk-timeout", "2"]
+    peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
+    stalled = peers[2]
+    wait_until(lambda: len(stalled.records()) >= 4, 180, "four rounds of the island to stall")
+    os.killpg(stalled.process.pid, signal.SIGSTOP)
+    try:
+        frozen_at, running_at = len(stalled.records()), len(peers[0].records())
+        # A lag of 2 or 3 steps: within max_staleness, and of either parity against P = 2 fragments
+        wait_until(lambda: len(peers[0].records()) >= running_at + 3, 120, "the others to step while one is stalled")
+    finally:
+        os.killpg(stalled.process.pid, signal.SIGCONT)
+    for peer in peers:
+        assert peer.wait(240) == 0, peer.log_text()[-3000:]
+
+    after = stalled.records()[frozen_at:]
+    assert any(r["resynced"] for r in after), "the stalled island never resynced its fragments"
+    steps = {}
+    for peer in peers:
+        for record in peer.records():
+            steps.setdefault(record["outer_step"], {})[peer.name] = record
+    realigned = [
+        step
+        for step, records in steps.items()
+        if step > after[0]["outer_step"] and len(records) == 3 and all(r["partners"] == 2 for r in records.values())
+    ]
+    assert realigned, "the stalled island never merged with both others again"
+    # A resync realigns one fragment at a time: once nobody resyncs any more, every island holds the same state.
+    last_resync = max(step for step, records in steps.items() if any(r["resynced"] for r in records.values()))
+    settled = [step for step in realigned if step > last_resync]
+    assert settled, f"islands still resyncing at the end (last at step {last_resync})"
+    for step in settled:
+        assert len({r["anchor_digest"] for r in steps[step].values()}) == 1, f"islands differ after step {step}"
+    assert {peer.records()[-1]["outer_step"] for peer in peers} == {24}
