@@ -19,12 +19,11 @@ per step (P parameters, fp32), so
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 from pathlib import Path
 
-from common import machine, run_islands
+from common import provenance, run_islands
 
 from p2p_diloco.config import load_config
 from p2p_diloco.model import build_model, count_parameters
@@ -169,9 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             "round); the data-parallel baseline is the issue's 2*P*4 bytes per step. TCP bytes also count libp2p "
             "framing, encryption, DHT announces and matchmaking, which weigh more on small models."
         ),
-        "command": "python benchmarks/bandwidth.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **provenance("bandwidth.py", argv),
     }
     name = "bandwidth-smoke" if args.smoke else "bandwidth"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -22,6 +22,19 @@ def machine() -> dict:
     }
 
 
+def provenance(script: str, argv: list[str] | None) -> dict:
+    """The command, date and machine that every result file records."""
+    import datetime
+    import sys
+
+    arguments = argv if argv is not None else sys.argv[1:]
+    return {
+        "command": f"python benchmarks/{script}" + "".join(f" {a}" for a in arguments),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+    }
+
+
 def run_islands(
     folder: Path,
     run_id: str,

@@ -350,21 +350,12 @@ def run_cli(sockets: str, args: list[str]) -> int:
 
 def start_bootstrap(folder: Path, run_id: str, sockets: str) -> tuple[subprocess.Popen, list[str]]:
     """p2p_diloco.swarm.start_bootstrap with the private socket folder: the bootstrap and its multiaddrs."""
-    from p2p_diloco.swarm import stop
+    from p2p_diloco.swarm import read_bootstrap_maddrs
 
     args = ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id]
     args += ["--maddrs-file", str(folder / "bootstrap.maddrs")]
     process = spawn_cli(args, sockets, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    maddrs = []
-    for line in process.stdout:
-        if line.startswith("MADDR "):
-            maddrs.append(line.split()[1])
-        if line.startswith("Start peers with"):
-            break
-    if not maddrs:
-        stop(process)
-        raise RuntimeError("the bootstrap exited before printing its multiaddrs")
-    return process, maddrs
+    return process, read_bootstrap_maddrs(process)
 
 
 def _every_island_merged(record: dict) -> None:

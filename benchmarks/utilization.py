@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import subprocess
@@ -28,7 +27,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from common import machine, run_islands
+from common import provenance, run_islands
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -234,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "full_model_syncs": syncs,
         "target": {"streaming": 0.95},
         "rows": rows,
-        "command": "python benchmarks/utilization.py" + "".join(f" {a}" for a in (argv or sys.argv[1:])),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **provenance("utilization.py", argv),
     }
     name = "utilization-smoke" if args.smoke else "utilization"
     (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")

@@ -76,6 +76,11 @@ def start_bootstrap(
         text=True,
         command_prefix=command_prefix,
     )
+    return process, read_bootstrap_maddrs(process)
+
+
+def read_bootstrap_maddrs(process: subprocess.Popen) -> list[str]:
+    """The multiaddrs a starting bootstrap prints on its (text) stdout; stops it if it prints none."""
     maddrs = []
     for line in process.stdout:
         if line.startswith("MADDR "):
@@ -85,7 +90,7 @@ def start_bootstrap(
     if not maddrs:
         stop(process)
         raise RuntimeError("the bootstrap exited before printing its multiaddrs")
-    return process, maddrs
+    return maddrs
 
 
 def _print_progress(name: str, record: dict, outer_steps: int | None) -> None:
