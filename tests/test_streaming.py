@@ -97,3 +97,15 @@ def test_ss_output_is_parsed_per_socket():
         ("127.0.0.1:45599", "127.0.0.1:41591", 20100): (3150, 4254),
         ("127.0.0.1:41591", "127.0.0.1:45599", 20123): (10, 20),
     }
+
+
+def test_example_configs_load_and_split(tmp_path) -> None:
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.toml"))
+    assert examples, "examples/ holds no peer configuration"
+    for path in examples:
+        config = load_config(path)
+        model = build_model(config.model, seed=0)
+        fragments = fragment_layout(model, config.train.fragments)
+        assert sum(f.size for f in fragments) == sum(p.numel() for p in model.parameters()), path
