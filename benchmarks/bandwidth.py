@@ -26,7 +26,7 @@ from pathlib import Path
 from common import provenance, run_islands
 
 from p2p_diloco.config import load_config
-from p2p_diloco.model import build_model, count_parameters
+from p2p_diloco.train.model import build_model, count_parameters
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from common import machine
 
-from p2p_diloco.metrics import read_metrics
-from p2p_diloco.swarm import spawn, start_bootstrap, stop
+from p2p_diloco.cli.swarm import spawn, start_bootstrap, stop
+from p2p_diloco.train.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"

@@ -53,8 +53,8 @@ def run_islands(
     """
     import time
 
-    from p2p_diloco.metrics import read_metrics
-    from p2p_diloco.swarm import spawn, start_bootstrap, stop
+    from p2p_diloco.cli.swarm import spawn, start_bootstrap, stop
+    from p2p_diloco.train.metrics import read_metrics
 
     prefix = command_prefix or (lambda index: [])
     address = host or (lambda index: "127.0.0.1")

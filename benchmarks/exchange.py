@@ -188,7 +188,7 @@ def worker(args: argparse.Namespace) -> int:
             from hivemind.compression import NoCompression
             from hivemind.p2p import P2P
 
-            from p2p_diloco.network import shutdown_dht, start_dht
+            from p2p_diloco.net.dht import shutdown_dht, start_dht
 
             if args.socket_dir:
                 # hivemind puts its daemon's unix sockets in /tmp, where the test suite's no_leftover_daemons
@@ -238,7 +238,7 @@ def worker(args: argparse.Namespace) -> int:
                     **timeouts,
                 )
             else:
-                from p2p_diloco.gossip import GossipExchange
+                from p2p_diloco.net.exchange import GossipExchange
 
                 exchange = GossipExchange(
                     dht,

@@ -101,10 +101,10 @@ def dp_worker(rank: int, world: int, rendezvous: str, settings: dict, metrics_pa
     import torch
     import torch.distributed as dist
 
-    from p2p_diloco.data import BatchStream, evaluate, load_shards
-    from p2p_diloco.island import data_seed
-    from p2p_diloco.model import build_model
-    from p2p_diloco.outer import make_inner_optimizer
+    from p2p_diloco.diloco.outer import make_inner_optimizer
+    from p2p_diloco.island.island import data_seed
+    from p2p_diloco.train.data import BatchStream, evaluate, load_shards
+    from p2p_diloco.train.model import build_model
 
     torch.set_num_threads(1)
     config = load_island_config(settings, rank)
@@ -194,7 +194,7 @@ def _child_setup() -> None:
 
 def read_jsonl(path: Path) -> list[dict]:
     """JSON lines of a file (a half-written last line skipped), or [] when it does not exist."""
-    from p2p_diloco.metrics import read_metrics
+    from p2p_diloco.train.metrics import read_metrics
 
     return read_metrics(path) if path.exists() else []
 
@@ -268,7 +268,7 @@ def run_data_parallel(settings: dict, folder: Path) -> dict:
 
 
 def _stop_all(children: list[subprocess.Popen]) -> None:
-    from p2p_diloco.swarm import stop
+    from p2p_diloco.cli.swarm import stop
 
     for child in children:
         stop(child, grace=10)
@@ -328,7 +328,7 @@ class BrokenRound(RuntimeError):
 
 
 def spawn_cli(args: list[str], sockets: str, **kwargs) -> subprocess.Popen:
-    """Start `p2p-diloco ARGS` (as p2p_diloco.swarm.spawn does) with hivemind's unix sockets under `sockets`."""
+    """Start `p2p-diloco ARGS` (as p2p_diloco.cli.swarm.spawn does) with hivemind's unix sockets under `sockets`."""
     command = [sys.executable, str(Path(__file__).resolve()), CLI_MODE, sockets, *args]
     return subprocess.Popen(command, start_new_session=True, preexec_fn=_child_setup, **kwargs)
 
@@ -342,15 +342,15 @@ def run_cli(sockets: str, args: list[str]) -> int:
     """
     from hivemind.p2p import P2P
 
-    from p2p_diloco.cli import main as cli_main
+    from p2p_diloco.cli.main import main as cli_main
 
     P2P._UNIX_SOCKET_PREFIX = f"/unix{sockets}/hivemind-"  # inherited by the forked DHT and averager processes
     return cli_main(args)
 
 
 def start_bootstrap(folder: Path, run_id: str, sockets: str) -> tuple[subprocess.Popen, list[str]]:
-    """p2p_diloco.swarm.start_bootstrap with the private socket folder: the bootstrap and its multiaddrs."""
-    from p2p_diloco.swarm import read_bootstrap_maddrs
+    """p2p_diloco.cli.swarm.start_bootstrap with the private socket folder: the bootstrap and its multiaddrs."""
+    from p2p_diloco.cli.swarm import read_bootstrap_maddrs
 
     args = ["bootstrap", "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", run_id]
     args += ["--maddrs-file", str(folder / "bootstrap.maddrs")]
@@ -389,7 +389,7 @@ def run_p2p(settings: dict, folder: Path, attempts: int = 3) -> dict:
 
 
 def _p2p_attempt(settings: dict, folder: Path, sockets: str) -> dict:
-    from p2p_diloco.swarm import stop
+    from p2p_diloco.cli.swarm import stop
 
     folder.mkdir(parents=True, exist_ok=True)
     run_id = "quality"
@@ -435,7 +435,7 @@ def _p2p_attempt(settings: dict, folder: Path, sockets: str) -> dict:
 
 def run_solo(settings: dict, folder: Path) -> tuple[dict, dict]:
     """(b) and (d): 4 solo islands on the 4 shards plus one more solo island on shard 0, run side by side."""
-    from p2p_diloco.swarm import spawn
+    from p2p_diloco.cli.swarm import spawn
 
     folder.mkdir(parents=True, exist_ok=True)
     runs = {f"isolated-{i}": i for i in range(ISLANDS)} | {"single": 0}
@@ -495,8 +495,8 @@ def initial_eval(settings: dict) -> float:
     """Eval loss of the shared initial weights: the first point of every curve."""
     import torch
 
-    from p2p_diloco.data import evaluate, load_shards
-    from p2p_diloco.model import build_model
+    from p2p_diloco.train.data import evaluate, load_shards
+    from p2p_diloco.train.model import build_model
 
     config = load_island_config(settings, 0)
     threads = torch.get_num_threads()

@@ -34,8 +34,8 @@ Model (all assumptions; see also "notes" in the JSON):
   together, within the grace window, which is therefore not modelled further). Quorum K = 1: a merge happens
   when at least one island contributes; nobody waits for a dead island. Each contribution carries c_steps inner
   steps and c_tokens = c_steps * C tokens since the island last contributed; its merge weight is the real
-  `p2p_diloco.merge.contribution_weight(rule, c_tokens, c_steps)` times the real
-  `p2p_diloco.staleness.StalenessRule.factor(staleness)`, so a recovering island with fewer steps or an older
+  `p2p_diloco.diloco.merge.contribution_weight(rule, c_tokens, c_steps)` times the real
+  `p2p_diloco.diloco.staleness.StalenessRule.factor(staleness)`, so a recovering island with fewer steps or an older
   anchor counts less; the merged step length (reported as `merged_inner_steps`) is computed with the real
   `weighted_mean`. Useful progress counts each accepted contribution's tokens times its staleness factor (a
   stale pseudo-gradient discounted by 0.5 is worth half its tokens); `goodput_undiscounted` counts accepted
@@ -79,8 +79,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from p2p_diloco.merge import MERGE_RULES, contribution_weight, weighted_mean
-from p2p_diloco.staleness import StalenessRule
+from p2p_diloco.diloco.merge import MERGE_RULES, contribution_weight, weighted_mean
+from p2p_diloco.diloco.staleness import StalenessRule
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -509,9 +509,9 @@ def notes(rows: list[dict], p: Params, variants: list[dict] | None = None) -> li
         "the slice returns after restart_s without a pause. Unpaused time is ~exp(-N lambda reconfig_s), so it "
         "falls quickly past ~1M chips.",
         f"p2p_diloco: M islands of N/M chips, an outer step every H = {p.inner_steps} steps ({p.round_s:g} s), "
-        f"quorum K = 1. Merge weights are p2p_diloco.merge.contribution_weight('{p.merge}', c_tokens, c_steps) "
+        f"quorum K = 1. Merge weights are p2p_diloco.diloco.merge.contribution_weight('{p.merge}', c_tokens, c_steps) "
         f"times StalenessRule(max_staleness={p.max_staleness}, discount={p.discount:g}).factor(staleness); the "
-        "merged step length (merged_inner_steps) comes from p2p_diloco.merge.weighted_mean. goodput counts each "
+        "merged step length (merged_inner_steps) comes from p2p_diloco.diloco.merge.weighted_mean. goodput counts each "
         "accepted contribution's tokens times its staleness factor; goodput_undiscounted counts them in full.",
         f"p2p_diloco recovery = '{p.recovery}': a failed island is down {p.island_restart:g} s while the "
         "others keep stepping; "

@@ -1,3 +1,3 @@
-from p2p_diloco.cli import main
+from p2p_diloco.cli.main import main
 
 raise SystemExit(main())

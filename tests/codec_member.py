@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 from exchange_member import member_vector
 
-from p2p_diloco.codecs import CodecMismatchError, check_partner_codecs, get_compression
-from p2p_diloco.gossip import GossipExchange
-from p2p_diloco.network import shutdown_dht, start_dht
+from p2p_diloco.net.codecs import CodecMismatchError, check_partner_codecs, get_compression
+from p2p_diloco.net.dht import shutdown_dht, start_dht
+from p2p_diloco.net.exchange import GossipExchange
 
 
 def round_vector(seed: int, size: int, label: str) -> torch.Tensor:

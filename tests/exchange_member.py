@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from p2p_diloco.gossip import GossipExchange
-from p2p_diloco.network import shutdown_dht, start_dht
-from p2p_diloco.staleness import StalenessRule
+from p2p_diloco.diloco.staleness import StalenessRule
+from p2p_diloco.net.dht import shutdown_dht, start_dht
+from p2p_diloco.net.exchange import GossipExchange
 
 STALENESS_RULE = StalenessRule(max_staleness=3, discount=0.5)
 

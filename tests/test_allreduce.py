@@ -14,7 +14,7 @@ import pytest
 import torch
 from exchange_member import member_vector
 
-from p2p_diloco.allreduce import StrictPartReducer
+from p2p_diloco.net.allreduce import StrictPartReducer
 from p2p_diloco.process import kill_process_tree
 
 MEMBER = Path(__file__).with_name("exchange_member.py")

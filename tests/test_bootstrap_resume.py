@@ -8,8 +8,8 @@ from pathlib import Path
 
 from conftest import TINY
 
-from p2p_diloco.metrics import read_metrics
-from p2p_diloco.swarm import start_bootstrap, stop
+from p2p_diloco.cli.swarm import start_bootstrap, stop
+from p2p_diloco.train.metrics import read_metrics
 
 
 def _bootstrap_with_identity(folder: Path, identity: Path) -> tuple[list[str], list[str]]:

@@ -30,7 +30,7 @@ from hivemind.compression import (
 from hivemind.compression import serialization as hivemind_serialization
 from hivemind.proto import runtime_pb2
 
-from p2p_diloco.codecs import (
+from p2p_diloco.net.codecs import (
     CODECS,
     CodecMismatchError,
     ErrorFeedback,

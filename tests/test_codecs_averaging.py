@@ -24,7 +24,7 @@ from codec_member import round_vector
 from conftest import p2pd_processes
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES
 
-from p2p_diloco.codecs import CODECS, bits_per_value
+from p2p_diloco.net.codecs import CODECS, bits_per_value
 from p2p_diloco.process import kill_process_tree
 
 MEMBER = Path(__file__).with_name("codec_member.py")

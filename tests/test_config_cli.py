@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco import cli
-from p2p_diloco.cli import EXIT_BAD_INPUT, build_parser, main
+from p2p_diloco.cli import main as cli
+from p2p_diloco.cli.known_swarms import SwarmListError, load_swarms, resolve_swarm, swarms_file
+from p2p_diloco.cli.main import EXIT_BAD_INPUT, build_parser, main
 from p2p_diloco.config import ConfigError, PeerConfig, load_config, to_dict
-from p2p_diloco.maddrs import MultiaddrError, validate_maddr, validate_maddrs
-from p2p_diloco.swarms import SwarmListError, load_swarms, resolve_swarm, swarms_file
+from p2p_diloco.net.maddrs import MultiaddrError, validate_maddr, validate_maddrs
 
 PEER_ID = "12D3KooWSY5iuuGuvHRpLGhuEZ3bCdWu75nYxJxcgpvrpuxJDRZV"
 GOOD_MADDR = f"/ip4/127.0.0.1/tcp/1/p2p/{PEER_ID}"

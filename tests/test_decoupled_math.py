@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.grace import GraceWindow
-from p2p_diloco.merge import (
+from p2p_diloco.diloco.grace import GraceWindow
+from p2p_diloco.diloco.merge import (
     MergeError,
     contribution_weight,
     radial_directional_average,
@@ -16,8 +16,8 @@ from p2p_diloco.merge import (
     rda_encode,
     weighted_mean,
 )
-from p2p_diloco.outer import OuterOptimizer
-from p2p_diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.diloco.outer import OuterOptimizer
+from p2p_diloco.diloco.staleness import StalenessRule, group_weights
 
 
 @pytest.fixture(autouse=True)
@@ -388,7 +388,7 @@ def test_grace_window_backs_off_when_partners_are_missed_and_recovers_after_a_me
 
 def test_dynamic_local_updates_give_slower_islands_fewer_inner_steps() -> None:
     from p2p_diloco.config import load_config
-    from p2p_diloco.island import Island
+    from p2p_diloco.island.island import Island
 
     island = Island(load_config(overrides={"train.inner_steps": 60, "train.dynamic_steps": True}))
     assert island._planned_inner_steps({}) == 60  # no step time measured yet

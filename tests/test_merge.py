@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.merge import MergeError, is_finite, weighted_mean
+from p2p_diloco.diloco.merge import MergeError, is_finite, weighted_mean
 
 
 def test_weighted_mean_matches_hand_computation():
@@ -102,7 +102,7 @@ def test_non_finite_contribution_propagates_to_the_merge():
 
 
 def test_canonical_lineage_prefers_advanced_then_common_then_smallest_digest() -> None:
-    from p2p_diloco.lineage import canonical_lineage, donors
+    from p2p_diloco.diloco.lineage import canonical_lineage, donors
 
     members = {"a": (3, "x"), "b": (3, "y"), "c": (3, "y"), "d": (2, "z")}
     assert canonical_lineage(members) == (3, "y")

@@ -10,15 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco.checkpoint import (
+from p2p_diloco.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
     save_checkpoint,
     sidecar_path,
 )
-from p2p_diloco.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics
-from p2p_diloco.report import format_summary, plot_losses, summarize
+from p2p_diloco.train.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics
+from p2p_diloco.train.summary import format_summary, plot_losses, summarize
 
 
 def make_record(step: int, **overrides: object) -> dict:
@@ -183,7 +183,7 @@ def test_corrupt_newest_falls_back_to_older(tmp_path: Path, caplog: pytest.LogCa
     mid = len(data) // 2
     data[mid : mid + 8] = bytes(b ^ 0xFF for b in data[mid : mid + 8])
     newest.write_bytes(bytes(data))
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.train.checkpoint"):
         assert latest_checkpoint(tmp_path) == older
     assert any("corrupt" in r.getMessage() and newest.name in r.getMessage() for r in caplog.records)
     with pytest.raises(CheckpointError, match="sha256"):

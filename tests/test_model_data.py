@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from p2p_diloco.config import DataConfig, ModelConfig
-from p2p_diloco.data import (
+from p2p_diloco.train.data import (
     BatchStream,
     DataError,
     evaluate,
@@ -18,7 +18,7 @@ from p2p_diloco.data import (
     load_shards,
     split_corpus,
 )
-from p2p_diloco.model import TinyGPT, build_model, count_parameters, model_fingerprint
+from p2p_diloco.train.model import TinyGPT, build_model, count_parameters, model_fingerprint
 
 SMALL = ModelConfig(seq_len=16, d_model=32, n_layers=1, n_heads=2, mlp_ratio=2)
 

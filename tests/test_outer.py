@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from p2p_diloco.outer import (
+from p2p_diloco.diloco.outer import (
     OuterOptimizer,
     assign_parameters_,
     flatten_parameters,

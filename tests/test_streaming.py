@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from p2p_diloco.config import ConfigError, ModelConfig, load_config
-from p2p_diloco.fragments import FragmentError, fragment_for_step, fragment_layout
-from p2p_diloco.model import build_model
-from p2p_diloco.outer import OuterOptimizer
-from p2p_diloco.transport import parse_ss
+from p2p_diloco.diloco.fragments import FragmentError, fragment_for_step, fragment_layout
+from p2p_diloco.diloco.outer import OuterOptimizer
+from p2p_diloco.net.transport import parse_ss
+from p2p_diloco.train.model import build_model
 
 
 def _model(layers: int = 4):

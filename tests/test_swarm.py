@@ -9,19 +9,19 @@ import psutil
 import torch
 from conftest import TINY, LocalSwarm, wait_until
 
-from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint
 from p2p_diloco.config import load_config
-from p2p_diloco.data import BatchStream, load_shards
-from p2p_diloco.fragments import fragment_layout
-from p2p_diloco.island import data_seed
-from p2p_diloco.model import build_model
-from p2p_diloco.outer import (
+from p2p_diloco.diloco.fragments import fragment_layout
+from p2p_diloco.diloco.outer import (
     OuterOptimizer,
     assign_parameters_,
     flatten_parameters,
     make_inner_optimizer,
     pseudo_gradient,
 )
+from p2p_diloco.island.island import data_seed
+from p2p_diloco.train.checkpoint import latest_checkpoint, load_checkpoint
+from p2p_diloco.train.data import BatchStream, load_shards
+from p2p_diloco.train.model import build_model
 
 
 def _by_step(peers) -> dict[int, dict[str, dict]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import psutil
 from conftest import TINY, wait_until
 
-from p2p_diloco.metrics import read_metrics
+from p2p_diloco.train.metrics import read_metrics
 
 
 def swarm_command(out: Path, *args: str) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.gossip import ExchangeResult
+from p2p_diloco.net.exchange import ExchangeResult
 
 
 @dataclass

@@ -14,19 +14,12 @@ from typing import Any
 import torch
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from p2p_diloco.codecs import ErrorFeedback, get_compression, round_trip
 from p2p_diloco.config import PeerConfig
-from p2p_diloco.data import BatchStream, evaluate, load_shards
-from p2p_diloco.fragments import Fragment, fragment_for_step, fragment_layout
-from p2p_diloco.gossip import ExchangeResult, GossipExchange
-from p2p_diloco.grace import GraceWindow
-from p2p_diloco.lineage import canonical_lineage, donors
-from p2p_diloco.merge import contribution_weight, is_finite, rda_decode, rda_encode
-from p2p_diloco.metrics import MetricsWriter
-from p2p_diloco.model import build_model, count_parameters, model_fingerprint
-from p2p_diloco.network import ModelMismatchError, announce_island, join_dht, shutdown_dht
-from p2p_diloco.outer import (
+from p2p_diloco.diloco.fragments import Fragment, fragment_for_step, fragment_layout
+from p2p_diloco.diloco.grace import GraceWindow
+from p2p_diloco.diloco.lineage import canonical_lineage, donors
+from p2p_diloco.diloco.merge import contribution_weight, is_finite, rda_decode, rda_encode
+from p2p_diloco.diloco.outer import (
     OuterOptimizer,
     assign_parameters_,
     flatten_parameters,
@@ -34,9 +27,16 @@ from p2p_diloco.outer import (
     pseudo_gradient,
     state_digest,
 )
-from p2p_diloco.rounds import Landed, PendingMerge, RoundOutcome, in_background
-from p2p_diloco.staleness import StalenessRule, group_weights
-from p2p_diloco.transport import TransportMeter
+from p2p_diloco.diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.island.rounds import Landed, PendingMerge, RoundOutcome, in_background
+from p2p_diloco.net.codecs import ErrorFeedback, get_compression, round_trip
+from p2p_diloco.net.dht import ModelMismatchError, announce_island, join_dht, shutdown_dht
+from p2p_diloco.net.exchange import ExchangeResult, GossipExchange
+from p2p_diloco.net.transport import TransportMeter
+from p2p_diloco.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from p2p_diloco.train.data import BatchStream, evaluate, load_shards
+from p2p_diloco.train.metrics import MetricsWriter
+from p2p_diloco.train.model import build_model, count_parameters, model_fingerprint
 
 logger = logging.getLogger(__name__)
 

@@ -102,12 +102,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_peer(args: argparse.Namespace) -> int:
-    from p2p_diloco.checkpoint import CheckpointError
-    from p2p_diloco.data import DataError
-    from p2p_diloco.island import Island
-    from p2p_diloco.maddrs import MultiaddrError, validate_maddrs
-    from p2p_diloco.network import JoinError, ModelMismatchError
-    from p2p_diloco.swarms import SwarmListError, resolve_swarm
+    from p2p_diloco.cli.known_swarms import SwarmListError, resolve_swarm
+    from p2p_diloco.island.island import Island
+    from p2p_diloco.net.dht import JoinError, ModelMismatchError
+    from p2p_diloco.net.maddrs import MultiaddrError, validate_maddrs
+    from p2p_diloco.train.checkpoint import CheckpointError
+    from p2p_diloco.train.data import DataError
 
     try:
         overrides, config_path = _overrides(args), args.config
@@ -165,9 +165,9 @@ def _bootstrap_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_bootstrap(args: argparse.Namespace) -> int:
-    from p2p_diloco.bootstrap import run_bootstrap
-    from p2p_diloco.maddrs import MultiaddrError, validate_maddrs
-    from p2p_diloco.network import JoinError
+    from p2p_diloco.cli.bootstrap import run_bootstrap
+    from p2p_diloco.net.dht import JoinError
+    from p2p_diloco.net.maddrs import MultiaddrError, validate_maddrs
 
     try:
         settings = _bootstrap_settings(args)
@@ -186,7 +186,7 @@ def _run_bootstrap(args: argparse.Namespace) -> int:
 
 
 def _run_swarm(args: argparse.Namespace) -> int:
-    from p2p_diloco.swarm import run_local_swarm
+    from p2p_diloco.cli.swarm import run_local_swarm
 
     # Ctrl-C must stop the swarm even when a shell started us with SIGINT ignored (a background job).
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -28,10 +28,10 @@ from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco.allreduce import ByteCounters, StrictAllReduceRunner
-from p2p_diloco.codecs import schema_hash_with_codec
+from p2p_diloco.diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
+from p2p_diloco.net.codecs import schema_hash_with_codec
 from p2p_diloco.process import die_with_parent
-from p2p_diloco.staleness import StalenessRule, group_weights
 
 logger = get_logger(__name__)
 

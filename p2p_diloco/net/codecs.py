@@ -22,7 +22,7 @@ Only codecs that cannot work here are displaced; MEANSTD_16BIT is untouched. The
 not describe their new content carry a self-describing frame: a 12-byte header (magic, codec id, format version,
 block size, a checksum of the code table) before the payload. Bytes in one of those slots that are not our frame
 for that codec (a peer on stock hivemind, another codec, another bitsandbytes code table) raise
-`CodecMismatchError` when decoded, and the strict all-reduce (`p2p_diloco.allreduce`) turns a decoding error into
+`CodecMismatchError` when decoded, and the strict all-reduce (`p2p_diloco.net.allreduce`) turns a decoding error into
 a discarded round instead of hivemind's silent partial average.
 
 Islands must agree on the codec. A mixed group is not caught by the bytes (each enum decodes with its own codec):
@@ -165,7 +165,7 @@ class _FramedCodec(CompressionBase):
         return self.bits_per_value / torch.finfo(info.descriptor.dtype).bits
 
     def __repr__(self) -> str:
-        return f"p2p_diloco.codecs.{type(self).__name__}()"
+        return f"p2p_diloco.net.codecs.{type(self).__name__}()"
 
 
 def _read(payload: bytes, offset: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
@@ -212,7 +212,7 @@ class Float16Codec(Float16Compression):
         return self.bits_per_value / torch.finfo(info.descriptor.dtype).bits
 
     def __repr__(self) -> str:
-        return "p2p_diloco.codecs.Float16Codec()"
+        return "p2p_diloco.net.codecs.Float16Codec()"
 
 
 class BFloat16Codec(_FramedCodec):
@@ -364,7 +364,7 @@ class Float32Codec(NoCompression):
     bits_per_value = 32.0
 
     def __repr__(self) -> str:
-        return "p2p_diloco.codecs.Float32Codec()"
+        return "p2p_diloco.net.codecs.Float32Codec()"
 
 
 CODECS: dict[str, CompressionBase] = {

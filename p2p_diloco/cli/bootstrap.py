@@ -9,7 +9,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from p2p_diloco.network import shutdown_dht, start_dht
+from p2p_diloco.net.dht import shutdown_dht, start_dht
 
 logger = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from p2p_diloco.config import load_config
-from p2p_diloco.metrics import read_metrics
 from p2p_diloco.process import die_with_parent, kill_process_tree
-from p2p_diloco.report import format_summary, plot_losses, summarize
+from p2p_diloco.train.metrics import read_metrics
+from p2p_diloco.train.summary import format_summary, plot_losses, summarize
 
 RUN_ID = "local-swarm"
 

@@ -1,0 +1,1 @@
+"""DiLoCo's math in pure torch: outer optimizer, pseudo-gradients, merge rules, staleness, fragments, grace window."""

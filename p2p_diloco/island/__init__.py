@@ -1,0 +1,1 @@
+"""One island: the training loop that composes the math, the training parts and the network."""
