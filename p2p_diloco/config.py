@@ -8,13 +8,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2p_diloco.diloco.grace import GRACE_MODES
+from p2p_diloco.diloco.merge import MERGE_RULES
+from p2p_diloco.diloco.quantize import CODEC_NAMES
+from p2p_diloco.errors import UserError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value the user must fix; the message says what."""
 
 
@@ -146,6 +151,14 @@ class NetworkConfig:
     """Seconds to reach the initial peers before giving up with an error."""
     state_timeout: float = 60.0
     """Seconds to download the swarm's state when joining late."""
+    dht_timeout: float = 10.0
+    """Bound on one DHT read or write of the run's records; past it the island goes on with its last view."""
+    announce_ttl: float = 60.0
+    """Seconds an island's record lives in the DHT unless renewed: a dead island stops counting after this."""
+    declare_state_period: float = 10.0
+    """How often an island re-announces itself as a state donor for late joiners."""
+    shutdown_timeout: float = 3.0
+    """Seconds the averager process gets to stop cleanly before it is killed."""
     solo: bool = False
     """Train alone without any network (a baseline to compare the swarm against)."""
 
@@ -247,12 +260,13 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError("network.request_timeout must be smaller than network.min_matchmaking_time")
     if network.quorum < 1 or network.target_group_size < network.quorum:
         raise ConfigError("network.target_group_size must be >= network.quorum >= 1")
-    if network.grace not in ("adaptive", "fixed"):
-        raise ConfigError(f"network.grace must be 'adaptive' or 'fixed', got {network.grace!r}")
-    if network.merge not in ("tokens", "mean", "rda"):
-        raise ConfigError(f"network.merge must be 'tokens', 'mean' or 'rda', got {network.merge!r}")
-    if network.codec not in ("fp32", "fp16", "bf16", "int8", "int4"):
-        raise ConfigError(f"network.codec must be one of fp32, fp16, bf16, int8, int4; got {network.codec!r}")
+    for name, value, choices in (
+        ("network.grace", network.grace, GRACE_MODES),
+        ("network.merge", network.merge, MERGE_RULES),
+        ("network.codec", network.codec, CODEC_NAMES),
+    ):
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     if train.slowdown < 1 or train.momentum_every < 1:
         raise ConfigError("train.slowdown and train.momentum_every must be >= 1")
     if train.fragments < 1 or train.fragments > train.inner_steps:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from exchange_member import member_vector
 
-from p2p_diloco.net.codecs import CodecMismatchError, check_partner_codecs, get_compression
+from p2p_diloco.net.codecs import describe_strangers, get_compression, strangers
 from p2p_diloco.net.dht import shutdown_dht, start_dht
 from p2p_diloco.net.exchange import GossipExchange
 
@@ -69,11 +69,8 @@ def main() -> None:
             assert sys.stdin.readline().strip() == "GO"
             vector = round_vector(args.seed, size, label)
             result = exchange.average(vector, {"codec": codec}, weight=1.0, grace_s=2.0, timeout=40.0)
-            mismatch = None
-            try:
-                check_partner_codecs(codec, result.partners)
-            except CodecMismatchError as error:
-                mismatch = str(error)
+            found = strangers({"codec": codec}, result.partners, keys=("codec",))
+            mismatch = f"codec mismatch: {describe_strangers({'codec': codec}, found)}" if found else None
             if result.merged is not None:
                 torch.save(result.merged, args.out / f"{label}-{args.seed}.pt")
             record = {

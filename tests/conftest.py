@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import glob
 import os
-import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
 
-from p2p_diloco.cli.swarm import spawn, start_bootstrap, stop
-from p2p_diloco.train.metrics import read_metrics
+from p2p_diloco.cli import launcher
+from p2p_diloco.cli.launcher import PeerProcess
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "peers" / "tiny.toml"
@@ -82,65 +80,12 @@ def no_leftover_daemons() -> Iterator[None]:
     assert not alive, f"p2pd daemons outlived the test: {[process.pid for process in alive]}"
 
 
-@dataclass
-class PeerProcess:
-    """A `p2p-diloco peer` child process with its metrics and log files."""
+class LocalSwarm(launcher.LocalSwarm):
+    """The project's launcher, with islands of the tiny config by default."""
 
-    name: str
-    process: subprocess.Popen
-    metrics: Path
-    log: Path
-    checkpoint_dir: Path
-
-    def records(self) -> list[dict]:
-        """Metrics records written so far."""
-        return read_metrics(self.metrics) if self.metrics.exists() else []
-
-    def log_text(self) -> str:
-        """Everything the peer printed."""
-        return self.log.read_text() if self.log.exists() else ""
-
-    def wait(self, timeout: float) -> int:
-        """Wait for the peer to exit; fail the test with its log tail if it does not."""
-        try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"{self.name} did not finish in {timeout:.0f}s; log tail:\n{self.log_text()[-3000:]}")
-
-
-class LocalSwarm:
-    """Starts a bootstrap and peers as separate processes on 127.0.0.1 and stops every one of them."""
-
-    def __init__(self, folder: Path):
-        self.folder = folder
-        self.children: list[subprocess.Popen] = []
-        self.maddrs: list[str] = []
-
-    def bootstrap(self) -> list[str]:
-        """Start the bootstrap; return its multiaddrs."""
-        process, self.maddrs = start_bootstrap(self.folder)
-        self.children.append(process)
-        return self.maddrs
-
-    def peer(self, name: str, *args: str, config: Path | None = TINY, join: bool = True) -> PeerProcess:
-        """Start one island; by default it joins this swarm's bootstrap with run id 'test'."""
-        metrics = self.folder / f"{name}.jsonl"
-        checkpoint_dir = self.folder / f"{name}-ckpt"
-        command = ["peer", "--metrics", str(metrics), "--checkpoint-dir", str(checkpoint_dir)]
-        if config is not None:
-            command += ["--config", str(config)]
-        if join:
-            command += ["--initial-peers", *self.maddrs]
-        if "--run-id" not in args:
-            command += ["--run-id", "test"]
-        process = spawn([*command, *args], log_path=self.folder / f"{name}.log")
-        self.children.append(process)
-        return PeerProcess(name, process, metrics, self.folder / f"{name}.log", checkpoint_dir)
-
-    def close(self) -> None:
-        """Stop every child process and its whole session."""
-        for child in reversed(self.children):
-            stop(child, grace=10)
+    def peer(self, name: str, *args: str, config: Path | None = TINY, **kwargs) -> PeerProcess:
+        """Start one island (tiny config unless told otherwise); see `p2p_diloco.cli.launcher.LocalSwarm.peer`."""
+        return super().peer(name, *args, config=config, **kwargs)
 
 
 @pytest.fixture
@@ -150,4 +95,4 @@ def local_swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
     try:
         yield swarm
     finally:
-        swarm.close()
+        swarm.close(grace=10)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from conftest import TINY
 
-from p2p_diloco.cli.swarm import start_bootstrap, stop
+from p2p_diloco.cli.launcher import start_bootstrap, stop
 from p2p_diloco.train.metrics import read_metrics
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.cli import main as cli
+from p2p_diloco.cli.flags import overrides as cli_overrides
 from p2p_diloco.cli.known_swarms import SwarmListError, load_swarms, resolve_swarm, swarms_file
 from p2p_diloco.cli.main import EXIT_BAD_INPUT, build_parser, main
 from p2p_diloco.config import ConfigError, PeerConfig, load_config, to_dict
@@ -203,7 +203,7 @@ def test_every_config_field_has_a_peer_flag(dotted, field):
     expected = [value] if str(field.type).startswith("list") else value
     assert getattr(args, dotted) == expected, f"{flag} must set {dotted}"
     # Nothing else is set by that one flag.
-    assert cli._overrides(args) == {dotted: expected}
+    assert cli_overrides(args) == {dotted: expected}
 
 
 def test_named_flags_exist():
@@ -230,7 +230,7 @@ def test_named_flags_exist():
 
 def test_peer_flags_become_typed_overrides():
     args = build_parser().parse_args(["peer", "--inner-steps", "7", "--initial-peers", "A", "B", "--lr", "0.5"])
-    overrides = cli._overrides(args)
+    overrides = cli_overrides(args)
     assert overrides == {"train.inner_steps": "7", "network.initial_peers": ["A", "B"], "train.lr": "0.5"}
     config = load_config(args.config, overrides)
     assert config.train.inner_steps == 7 and isinstance(config.train.inner_steps, int)
@@ -240,7 +240,7 @@ def test_peer_flags_become_typed_overrides():
 
 def test_peer_flags_beat_the_config_file():
     args = build_parser().parse_args(["peer", "--config", str(TINY), "--inner-steps", "3", "--data", "corpus.txt"])
-    config = load_config(args.config, cli._overrides(args))
+    config = load_config(args.config, cli_overrides(args))
     assert config.train.inner_steps == 3
     assert config.train.outer_steps == 5, "from tiny.toml"
     assert config.data.path == "corpus.txt"

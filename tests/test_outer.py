@@ -6,11 +6,11 @@ import pytest
 import torch
 from torch import nn
 
+from p2p_diloco.diloco.inner import make_inner_optimizer
 from p2p_diloco.diloco.outer import (
     OuterOptimizer,
     assign_parameters_,
     flatten_parameters,
-    make_inner_optimizer,
     pseudo_gradient,
     state_digest,
 )

@@ -38,7 +38,9 @@ def test_fragments_cover_every_value_once_with_strided_blocks():
 def test_one_fragment_is_the_whole_model_and_too_many_is_an_error():
     model = _model(1)
     (whole,) = fragment_layout(model, 1)
-    assert torch.equal(whole.index, torch.arange(sum(p.numel() for p in model.parameters())))
+    flat = torch.arange(sum(p.numel() for p in model.parameters()), dtype=torch.float32)
+    assert whole.whole and whole.label is None and whole.size == flat.numel()
+    assert torch.equal(whole.take(flat), flat) and whole.take(flat).data_ptr() == flat.data_ptr()  # a view
     with pytest.raises(FragmentError, match="--fragments"):
         fragment_layout(model, 50)
 

@@ -11,16 +11,15 @@ from conftest import TINY, LocalSwarm, wait_until
 
 from p2p_diloco.config import load_config
 from p2p_diloco.diloco.fragments import fragment_layout
+from p2p_diloco.diloco.inner import make_inner_optimizer
 from p2p_diloco.diloco.outer import (
     OuterOptimizer,
     assign_parameters_,
     flatten_parameters,
-    make_inner_optimizer,
     pseudo_gradient,
 )
-from p2p_diloco.island.island import data_seed
 from p2p_diloco.train.checkpoint import latest_checkpoint, load_checkpoint
-from p2p_diloco.train.data import BatchStream, load_shards
+from p2p_diloco.train.data import BatchStream, data_seed, load_shards
 from p2p_diloco.train.model import build_model
 
 

@@ -1,60 +1,69 @@
-"""A bootstrap node: a DHT peer that trains nothing and tells newcomers how to join."""
+"""`p2p-diloco bootstrap`: run a DHT node that trains nothing and lets peers meet."""
 
 from __future__ import annotations
 
-import logging
-import os
-import signal
-import tempfile
-import threading
-from pathlib import Path
+import argparse
+import sys
+from typing import Any
 
-from p2p_diloco.net.dht import shutdown_dht, start_dht
+from p2p_diloco.cli.logs import setup_logging
+from p2p_diloco.config import ConfigError, tomllib
+from p2p_diloco.errors import UserError
 
-logger = logging.getLogger(__name__)
-
-
-def write_lines_atomically(path: str | os.PathLike, lines: list[str]) -> None:
-    """Write lines to a file so that readers never see it half written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, prefix=f".{path.name}.") as handle:
-        handle.write("".join(line + "\n" for line in lines))
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(handle.name, path)
+BOOTSTRAP_DEFAULTS = {
+    "identity": None,
+    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "announce_maddrs": [],
+    "initial_peers": [],
+    "maddrs_file": None,
+    "run_id": "p2p-diloco",
+}
+"""Settings of a bootstrap, overridden by its --config file, then by flags."""
 
 
-def run_bootstrap(
-    *,
-    identity: str | None,
-    host_maddrs: list[str],
-    announce_maddrs: list[str],
-    initial_peers: list[str],
-    maddrs_file: str | None,
-    run_id: str,
-    timeout: float,
-) -> None:
-    """Serve the DHT until SIGINT/SIGTERM; print the multiaddrs and the peer command to paste."""
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    dht = start_dht(
-        initial_peers=initial_peers,
-        host_maddrs=host_maddrs,
-        announce_maddrs=announce_maddrs,
-        identity=identity,
-        timeout=timeout,
-    )
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The `bootstrap` subcommand and its flags."""
+    bootstrap = commands.add_parser("bootstrap", help="run a DHT node that trains nothing and lets peers meet")
+    bootstrap.add_argument("--config", help="TOML bootstrap configuration, e.g. bootstrap/bootstrap.toml")
+    bootstrap.add_argument("--identity", help="key file for a stable peer id (created if missing)")
+    bootstrap.add_argument("--host-maddrs", nargs="+", help="listen addresses (default /ip4/127.0.0.1/tcp/0)")
+    bootstrap.add_argument("--announce-maddrs", nargs="+", help="addresses peers should dial")
+    bootstrap.add_argument("--initial-peers", nargs="+", help="other bootstraps or live peers")
+    bootstrap.add_argument("--maddrs-file", help="also write the multiaddrs here, one per line, once reachable")
+    bootstrap.add_argument("--run-id", help="run id shown in the printed peer command")
+    bootstrap.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach --initial-peers")
+    bootstrap.add_argument("--log-level", default="INFO")
+
+
+def bootstrap_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, then the --config file, then flags."""
+    settings = dict(BOOTSTRAP_DEFAULTS)
+    if args.config:
+        try:
+            with open(args.config) as handle:
+                values = tomllib.loads(handle.read())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise ConfigError(f"bootstrap config {args.config}: {error}") from None
+        unknown = set(values) - set(settings)
+        if unknown:
+            raise ConfigError(f"bootstrap config {args.config}: unknown keys {sorted(unknown)}")
+        settings.update(values)
+    settings.update({key: getattr(args, key) for key in settings if getattr(args, key) is not None})
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    """Validate the settings, then serve the DHT until SIGINT or SIGTERM."""
+    from p2p_diloco.net.bootstrap import run_bootstrap
+    from p2p_diloco.net.maddrs import validate_maddrs
+
     try:
-        maddrs = [str(maddr) for maddr in dht.get_visible_maddrs()]
-        if maddrs_file:
-            write_lines_atomically(maddrs_file, maddrs)
-        print(f"bootstrap peer id: {dht.peer_id.to_base58()}", flush=True)
-        for maddr in maddrs:
-            print(f"MADDR {maddr}", flush=True)
-        print("Start peers with:", flush=True)
-        print(f"  p2p-diloco peer --initial-peers {' '.join(maddrs)} --run-id {run_id}", flush=True)
-        stop.wait()
-    finally:
-        shutdown_dht(dht)
+        settings = bootstrap_settings(args)
+        validate_maddrs(settings["initial_peers"], need_peer_id=True)
+        validate_maddrs(settings["host_maddrs"] + settings["announce_maddrs"], need_peer_id=False)
+        setup_logging(args.log_level)
+        run_bootstrap(**settings, timeout=args.join_timeout)
+    except UserError as error:
+        print(f"p2p-diloco bootstrap: error: {error}", file=sys.stderr)
+        return error.exit_code
+    return 0

@@ -7,9 +7,10 @@ from pathlib import Path
 from typing import Any
 
 from p2p_diloco.config import tomllib
+from p2p_diloco.errors import UserError
 
 
-class SwarmListError(ValueError):
+class SwarmListError(UserError, ValueError):
     """The swarm list is missing, malformed, or does not name the requested swarm."""
 
 

@@ -1,96 +1,46 @@
-"""A local swarm on 127.0.0.1: one bootstrap and N islands as separate processes, with progress and a summary."""
+"""`p2p-diloco swarm`: a local swarm on 127.0.0.1, one bootstrap and N islands, with progress and a summary."""
 
 from __future__ import annotations
 
+import argparse
 import json
-import os
 import signal
-import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
+from p2p_diloco.cli.launcher import LocalSwarm
 from p2p_diloco.config import load_config
-from p2p_diloco.process import die_with_parent, kill_process_tree
-from p2p_diloco.train.metrics import read_metrics
 from p2p_diloco.train.summary import format_summary, plot_losses, summarize
 
 RUN_ID = "local-swarm"
 
 
-def _child_setup() -> None:
-    die_with_parent(signal.SIGTERM)
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The `swarm` subcommand and its flags."""
+    swarm = commands.add_parser("swarm", help="run a local swarm: a bootstrap and N islands on 127.0.0.1")
+    swarm.add_argument("--peers", type=int, default=3, help="number of islands")
+    swarm.add_argument("--config", help="TOML peer configuration shared by the islands")
+    swarm.add_argument("--outer-steps", type=int, help="outer steps to run")
+    swarm.add_argument("--inner-steps", type=int, help="inner steps per outer step")
+    swarm.add_argument("--out", default="runs/swarm", help="folder for metrics, logs and the loss plot")
+    swarm.add_argument("--baseline", action="store_true", help="also train one island alone, for comparison")
+    swarm.add_argument("peer_args", nargs=argparse.REMAINDER, help="extra flags passed to every peer after --")
 
 
-def spawn(
-    args: list[str], log_path: Path | None = None, command_prefix: Sequence[str] = (), **kwargs
-) -> subprocess.Popen:
-    """Start `python -m p2p_diloco ARGS` in its own session, dying with this process.
-
-    `command_prefix` wraps the command, e.g. `ip netns exec NS` to run it inside a network namespace.
-    """
-    stdout = open(log_path, "w") if log_path is not None else kwargs.pop("stdout", None)  # noqa: SIM115
-    return subprocess.Popen(
-        [*command_prefix, sys.executable, "-m", "p2p_diloco", *args],
-        stdout=stdout,
-        stderr=subprocess.STDOUT if log_path is not None else kwargs.pop("stderr", None),
-        start_new_session=True,
-        preexec_fn=_child_setup,
-        **kwargs,
+def run(args: argparse.Namespace) -> int:
+    """Run the local swarm to completion (or Ctrl-C)."""
+    # Ctrl-C must stop the swarm even when a shell started us with SIGINT ignored (a background job).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    return run_local_swarm(
+        peers=args.peers,
+        config=args.config,
+        outer_steps=args.outer_steps,
+        inner_steps=args.inner_steps,
+        out=args.out,
+        baseline=args.baseline,
+        extra_peer_args=[arg for arg in args.peer_args if arg != "--"],
     )
-
-
-def stop(process: subprocess.Popen, grace: float = 15.0) -> None:
-    """SIGTERM a child (it shuts its own children down), then SIGKILL its whole session after `grace` seconds."""
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    kill_process_tree(process.pid)
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    process.wait()
-
-
-def start_bootstrap(
-    out: Path, run_id: str = RUN_ID, host: str = "127.0.0.1", command_prefix: Sequence[str] = ()
-) -> tuple[subprocess.Popen, list[str]]:
-    """Start a bootstrap listening on `host` and return it with its multiaddrs, read from its output."""
-    process = spawn(
-        [
-            "bootstrap",
-            "--host-maddrs",
-            f"/ip4/{host}/tcp/0",
-            "--run-id",
-            run_id,
-            "--maddrs-file",
-            str(out / "bootstrap.maddrs"),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        command_prefix=command_prefix,
-    )
-    return process, read_bootstrap_maddrs(process)
-
-
-def read_bootstrap_maddrs(process: subprocess.Popen) -> list[str]:
-    """The multiaddrs a starting bootstrap prints on its (text) stdout; stops it if it prints none."""
-    maddrs = []
-    for line in process.stdout:
-        if line.startswith("MADDR "):
-            maddrs.append(line.split()[1])
-        if line.startswith("Start peers with"):
-            break
-    if not maddrs:
-        stop(process)
-        raise RuntimeError("the bootstrap exited before printing its multiaddrs")
-    return maddrs
 
 
 def _print_progress(name: str, record: dict, outer_steps: int | None) -> None:
@@ -116,7 +66,6 @@ def run_local_swarm(
 ) -> int:
     """Run the swarm to completion (or Ctrl-C), print a per-island summary and write metrics and a loss plot."""
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     total_steps = outer_steps or load_config(config).train.outer_steps
     common = ["--config", config] if config else []
     if outer_steps:
@@ -125,76 +74,42 @@ def run_local_swarm(
         common += ["--inner-steps", str(inner_steps)]
     common += ["--num-shards", str(peers), "--target-group-size", str(max(2, peers))]
     common += list(extra_peer_args or [])
-    children: dict[str, subprocess.Popen] = {}
-    metrics_paths: dict[str, Path] = {}
-    bootstrap = None
+    swarm = LocalSwarm(out_dir, run_id=RUN_ID)
     started = time.monotonic()
     try:
-        bootstrap, maddrs = start_bootstrap(out_dir)
+        maddrs = swarm.bootstrap()
         print(f"bootstrap at {maddrs[0]}", flush=True)
         for index in range(peers):
-            name = f"island-{index}"
-            metrics_paths[name] = out_dir / f"{name}.jsonl"
-            metrics_paths[name].unlink(missing_ok=True)
-            children[name] = spawn(
-                [
-                    "peer",
-                    "--initial-peers",
-                    *maddrs,
-                    "--run-id",
-                    RUN_ID,
-                    "--shard-index",
-                    str(index),
-                    "--metrics",
-                    str(metrics_paths[name]),
-                    *common,
-                ],
-                log_path=out_dir / f"{name}.log",
-            )
+            swarm.peer(f"island-{index}", "--shard-index", str(index), *common, fresh_metrics=True, checkpoints=False)
         if baseline:
-            name = "alone"
-            metrics_paths[name] = out_dir / "alone.jsonl"
-            metrics_paths[name].unlink(missing_ok=True)
-            children[name] = spawn(
-                [
-                    "peer",
-                    "--solo",
-                    "true",
-                    "--run-id",
-                    "alone",
-                    "--shard-index",
-                    "0",
-                    "--metrics",
-                    str(metrics_paths[name]),
-                    *common,
-                ],
-                log_path=out_dir / "alone.log",
-            )
+            solo = ["--solo", "true", "--run-id", "alone", "--shard-index", "0"]
+            swarm.peer("alone", *solo, *common, join=False, fresh_metrics=True, checkpoints=False)
         print(f"started {peers} islands{' and one island alone' if baseline else ''}; logs in {out_dir}/")
-        seen = {name: 0 for name in children}
+        seen = {name: 0 for name in swarm.peers}
         while True:
-            for name, path in metrics_paths.items():
-                records = read_metrics(path) if path.exists() else []
+            for name, records in swarm.records().items():
                 for record in records[seen[name] :]:
                     _print_progress(name, record, total_steps)
                 seen[name] = len(records)
-            if all(child.poll() is not None for child in children.values()):
+            if not any(peer.running for peer in swarm.peers.values()):
                 break
             time.sleep(1.0)  # progress display cadence, not synchronisation
     except KeyboardInterrupt:
         print("\ninterrupted: stopping every island", flush=True)
     finally:
-        for child in children.values():
-            stop(child)
-        if bootstrap is not None:
-            stop(bootstrap)
+        swarm.close()
 
-    metrics_by_island = {name: read_metrics(path) for name, path in metrics_paths.items() if path.exists()}
+    return _report(swarm, out_dir, peers, started)
+
+
+def _report(swarm: LocalSwarm, out_dir: Path, peers: int, started: float) -> int:
+    """Print the per-island summary, write summary.json and the loss plot; 1 if an island failed."""
+    metrics_by_island = swarm.records()
     summaries = summarize(metrics_by_island)
     print()
     print(format_summary(summaries))
     plot = plot_losses(metrics_by_island, out_dir / "loss.png", title=f"p2p-diloco: {peers} islands")
-    codes = {name: child.returncode for name, child in children.items()}
+    codes = {name: peer.process.returncode for name, peer in swarm.peers.items()}
     summary = {
         "peers": peers,
         "wall_s": time.monotonic() - started,

@@ -23,17 +23,40 @@ class FragmentError(ValueError):
 
 @dataclass(frozen=True)
 class Fragment:
-    """One fragment: flat indices into the flattened parameters, and the sizes of the tensors it holds."""
+    """One fragment of the flattened parameters: which values, and the sizes of the tensors it holds.
 
-    index: torch.Tensor
-    """Sorted flat positions of this fragment's values (int64)."""
+    The whole model is the single fragment of a layout of one (`whole`); its index is `slice(None)`, so taking
+    it is a view of the flat vector rather than a gather.
+    """
+
+    number: int
+    """Position in the layout, 0..count-1."""
+    count: int
+    """P, the number of fragments in the layout."""
+    index: torch.Tensor | slice
+    """Sorted flat positions of this fragment's values (int64), or slice(None) for the whole model."""
     tensor_sizes: tuple[int, ...]
     """Element counts of its tensors, in module order (for per-tensor merges such as RDA)."""
+    size: int
+    """Number of values in the fragment."""
 
     @property
-    def size(self) -> int:
-        """Number of values in the fragment."""
-        return int(self.index.numel())
+    def whole(self) -> bool:
+        """True for the whole model (a layout of one fragment)."""
+        return self.count == 1
+
+    @property
+    def label(self) -> int | None:
+        """What metrics and matchmaking call this fragment: its number, or None for the whole model."""
+        return None if self.whole else self.number
+
+    def take(self, flat: torch.Tensor) -> torch.Tensor:
+        """This fragment's values of a flat vector (a view for the whole model, else a copy)."""
+        return flat[self.index]
+
+    def put(self, flat: torch.Tensor, values: torch.Tensor) -> None:
+        """Write this fragment's values into a flat vector."""
+        flat[self.index] = values
 
 
 def fragment_layout(model: nn.Module, count: int) -> list[Fragment]:
@@ -41,6 +64,9 @@ def fragment_layout(model: nn.Module, count: int) -> list[Fragment]:
     named = list(model.named_parameters())
     if count < 1:
         raise FragmentError(f"fragments must be >= 1, got {count}")
+    if count == 1:
+        sizes = tuple(parameter.numel() for _, parameter in named)
+        return [Fragment(0, 1, slice(None), sizes, sum(sizes))]
     blocks = sorted({int(m.group(1)) for name, _ in named if (m := _BLOCK.search(name))})
     units = len(blocks) + sum(1 for name, _ in named if not _BLOCK.search(name))
     if units < count:
@@ -67,9 +93,12 @@ def fragment_layout(model: nn.Module, count: int) -> list[Fragment]:
         ranges[fragment].append(torch.arange(offset, offset + parameter.numel(), dtype=torch.int64))
         sizes[fragment].append(parameter.numel())
         offset += parameter.numel()
-    return [Fragment(torch.cat(r) if r else torch.empty(0, dtype=torch.int64), tuple(s)) for r, s in zip(ranges, sizes)]
+    return [
+        Fragment(number, count, torch.cat(r) if r else torch.empty(0, dtype=torch.int64), tuple(s), sum(s))
+        for number, (r, s) in enumerate(zip(ranges, sizes))
+    ]
 
 
 def fragment_for_step(outer_step: int, count: int) -> int:
-    """The fragment that outer step `outer_step` syncs (the staggered schedule)."""
+    """The number of the fragment that outer step `outer_step` syncs (the staggered schedule)."""
     return outer_step % count

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
+GRACE_MODES = ("adaptive", "fixed")
+
 
 class GraceWindow:
     """Adaptive (default) or fixed; always bounded by [min_s, max_s].
@@ -26,7 +28,7 @@ class GraceWindow:
         margin_s: float = 0.25,
         history: int = 32,
     ):
-        if mode not in ("adaptive", "fixed"):
+        if mode not in GRACE_MODES:
             raise ValueError(f"grace mode must be 'adaptive' or 'fixed', got {mode!r}")
         self.mode, self.initial_s, self.min_s, self.max_s = mode, initial_s, min_s, max_s
         self.gamma, self.margin_s = gamma, margin_s

@@ -1,4 +1,4 @@
-"""DiLoCo's outer loop in pure torch: pseudo-gradients and the outer Nesterov optimizer. No networking."""
+"""DiLoCo's outer loop in pure torch: pseudo-gradients, the outer Nesterov optimizer, state digests."""
 
 from __future__ import annotations
 
@@ -110,21 +110,6 @@ class OuterOptimizer:
     def state_dict(self) -> dict[str, Any]:
         """Anchor and momentum as plain tensors."""
         return {"anchor": self.anchor.data.clone(), "momentum": self.momentum().clone()}
-
-
-def make_inner_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, warmup_steps: int
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """Inner AdamW with linear warm-up; its state stays on this island."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-    )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
-    return optimizer, scheduler
 
 
 def state_digest(*tensors: torch.Tensor) -> str:

@@ -1,28 +1,51 @@
-"""Joining the DHT with bounded time and clear errors, and the per-run registry of model fingerprints."""
+"""Joining the DHT with bounded time and clear errors, in a DHT process (and p2pd) that dies with its island."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from hivemind.utils import get_dht_time
+import hivemind
 
 from p2p_diloco.config import NetworkConfig
-from p2p_diloco.process import OrphanFreeDHT
+from p2p_diloco.errors import NetworkUnreachableError
+from p2p_diloco.process import die_with_parent
+from p2p_diloco.timeouts import DHT_STOP_S
 
 logger = logging.getLogger(__name__)
 
-# Long enough to outlive a slow round, short enough that a dead island soon stops counting.
-ISLAND_ANNOUNCE_TTL = 60.0
+
+class JoinError(NetworkUnreachableError):
+    """The swarm could not be reached, or this node could not start."""
 
 
-class JoinError(RuntimeError):
-    """The swarm could not be reached."""
+def _exec_with_parent_death(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def create_subprocess_exec(*args: Any, **kwargs: Any) -> Any:
+        user_preexec = kwargs.pop("preexec_fn", None)
+
+        def preexec() -> None:
+            die_with_parent()
+            if user_preexec is not None:
+                user_preexec()
+
+        return await original(*args, preexec_fn=preexec, **kwargs)
+
+    return create_subprocess_exec
 
 
-class ModelMismatchError(RuntimeError):
-    """Another island of the same run trains a different model."""
+class OrphanFreeDHT(hivemind.DHT):
+    """hivemind.DHT whose process, and the p2pd daemon it starts, die when the owning process dies."""
+
+    def run(self) -> None:
+        """Serve the DHT after arranging to die with the parent process."""
+        die_with_parent()
+        # hivemind starts p2pd from inside this process through asyncio and offers no hook for the child's
+        # setup: wrapping asyncio's exec (in this forked process only) makes p2pd die with us too.
+        asyncio.subprocess.create_subprocess_exec = _exec_with_parent_death(asyncio.subprocess.create_subprocess_exec)
+        super().run()
 
 
 def start_dht(
@@ -74,47 +97,8 @@ def shutdown_dht(dht: OrphanFreeDHT) -> None:
     try:
         if dht.is_alive():
             dht.shutdown()
-            dht.join(5)
+            dht.join(DHT_STOP_S)
     except Exception as error:  # best effort: the process may already be gone
         logger.debug(f"dht shutdown: {error!r}")
     if dht.is_alive():
         dht.kill()
-
-
-def read_swarm(dht: OrphanFreeDHT, run_id: str, timeout: float = 10.0) -> dict[str, dict[str, Any]]:
-    """What every live island of the run announced: fingerprint, outer step, seconds per inner step."""
-    found = dht.get(f"{run_id}.islands", latest=True, return_future=True).result(timeout=timeout)
-    entries = found.value if found is not None else {}
-    return {
-        str(subkey): item.value
-        for subkey, item in (entries or {}).items()
-        if isinstance(getattr(item, "value", None), dict)
-    }
-
-
-def announce_island(
-    dht: OrphanFreeDHT, run_id: str, peer_id: str, info: dict[str, Any], *, check: bool
-) -> dict[str, dict[str, Any]]:
-    """Announce this island under the run id and return the others; with check, refuse a run of another model."""
-    others = {peer: data for peer, data in read_swarm(dht, run_id).items() if peer != peer_id}
-    if check:
-        foreign = sorted({str(data.get("fingerprint")) for data in others.values()} - {info["fingerprint"]})
-        codecs = sorted({str(data.get("codec")) for data in others.values()} - {str(info.get("codec"))})
-        if codecs and not foreign:
-            raise ModelMismatchError(
-                f"codec mismatch: run {run_id!r} exchanges pseudo-gradients as {', '.join(codecs)}, this island "
-                f"uses {info.get('codec')!r}; every island of a run must use the same --codec"
-            )
-        if foreign:
-            raise ModelMismatchError(
-                f"model mismatch: run {run_id!r} already trains model {', '.join(foreign)}, this island's model "
-                f"is {info['fingerprint']}; use the swarm's [model] config or another --run-id"
-            )
-    dht.store(
-        f"{run_id}.islands",
-        subkey=peer_id,
-        value=info,
-        expiration_time=get_dht_time() + ISLAND_ANNOUNCE_TTL,
-        return_future=True,
-    ).result(timeout=30)
-    return others

@@ -6,8 +6,10 @@ from collections.abc import Iterable
 
 from multiaddr import Multiaddr
 
+from p2p_diloco.errors import UserError
 
-class MultiaddrError(ValueError):
+
+class MultiaddrError(UserError, ValueError):
     """A multiaddr the user must fix; the message names it."""
 
 

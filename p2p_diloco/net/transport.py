@@ -15,6 +15,8 @@ import subprocess
 
 import psutil
 
+from p2p_diloco.timeouts import SOCKET_STATS_S
+
 _SOCKET = re.compile(r"^\S+\s+\S+\s+\S+\s+(\S+)\s+(\S+)\s+users:\(\(.*?pid=(\d+)")
 _COUNTER = re.compile(r"\bbytes_(sent|received):(\d+)")
 
@@ -63,7 +65,7 @@ class TransportMeter:
             return None
         pids = self._daemon_pids()
         try:
-            output = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=10).stdout
+            output = subprocess.run(["ss", "-tinpH"], capture_output=True, text=True, timeout=SOCKET_STATS_S).stdout
         except (OSError, subprocess.SubprocessError):
             return None
         current = {key: value for key, value in parse_ss(output).items() if key[2] in pids}

@@ -7,11 +7,13 @@ import io
 import logging
 import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from p2p_diloco.errors import UserError
+from p2p_diloco.files import atomic_write, fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -20,7 +22,7 @@ _TMP_PREFIX = ".ckpt-"
 _TMP_SUFFIX = ".tmp"
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """A checkpoint that cannot be used; the message says which file and what to do."""
 
 
@@ -35,33 +37,9 @@ def sidecar_path(path: str | os.PathLike) -> Path:
     return path.with_name(path.name + ".sha256")
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Makes a rename in the folder durable; without it a power cut can forget the rename."""
-    if os.name == "nt":  # pragma: no cover - Windows cannot open folders
-        return
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write(path: Path, data: bytes) -> None:
-    """Writes bytes so that `path` holds either its old content or all of `data`, never a mix."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    _fsync_dir(path.parent)
+    """Write a checkpoint file atomically; its temp file matches what pruning cleans up after a crash."""
+    atomic_write(path, data, prefix=_TMP_PREFIX, suffix=_TMP_SUFFIX)
 
 
 def _list_checkpoints(directory: Path) -> list[tuple[int, Path]]:
@@ -113,7 +91,7 @@ def save_checkpoint(directory: str | os.PathLike, state: dict, step: int, keep: 
     # half-saved checkpoint is simply ignored.
     if sidecar.exists():
         sidecar.unlink()
-        _fsync_dir(directory)
+        fsync_dir(directory)
     _atomic_write(path, data)
     # The sidecar comes last: its presence is what marks the checkpoint complete.
     _atomic_write(sidecar, f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode("ascii"))

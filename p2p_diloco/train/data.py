@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,11 +13,12 @@ import torch
 from torch import nn
 
 from p2p_diloco.config import DataConfig
+from p2p_diloco.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Text data the user must fix; the message says what."""
 
 
@@ -65,6 +67,13 @@ def load_corpus(path: str | None, max_bytes: int) -> torch.Tensor:
         raise DataError(f"{where} holds no text; add some text or point data.path elsewhere")
     # bytearray gives frombuffer a writable buffer; clone so the tensor owns its memory
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).clone()
+
+
+def data_seed(seed: int, shard_index: int | None, peer_id: str) -> int:
+    """Batch-order seed: fixed by (seed, shard) when the shard is given, else unique to the peer."""
+    if shard_index is not None:
+        return seed * 1_000_003 + shard_index + 1
+    return seed * 1_000_003 + zlib.crc32(peer_id.encode())
 
 
 @dataclass

@@ -1,0 +1,86 @@
+"""DiLoCo's inner loop in pure torch: local AdamW steps on an island's own batches, shared by islands and benchmarks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFunction = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss of a model whose forward(inputs, targets) returns (logits, loss), as the built-in GPT does."""
+    return model(inputs, targets)[1]
+
+
+def make_inner_optimizer(
+    model: nn.Module, lr: float, weight_decay: float, warmup_steps: int
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """Inner AdamW with linear warm-up; its state stays on this island."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
+    return optimizer, scheduler
+
+
+@dataclass
+class InnerResult:
+    """What a run of inner steps did."""
+
+    losses: list[float]
+    """Training loss of every step."""
+    tokens: int
+    """Input tokens consumed."""
+    seconds: float
+    """Wall time of the steps."""
+
+
+def run_inner_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    next_batch: Callable[[], Batch],
+    steps: int,
+    *,
+    grad_clip: float = 0.0,
+    loss_function: LossFunction = default_loss,
+    after_backward: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    slowdown: float = 1.0,
+) -> InnerResult:
+    """Run `steps` local optimizer steps and return their losses.
+
+    `after_backward(loss)` runs between backward and the optimizer step and returns the loss to record (a
+    data-parallel baseline all-reduces the gradients there); `slowdown` > 1 stretches each step (experiments).
+    """
+    if steps <= 0:
+        return InnerResult([], 0, 0.0)
+    model.train()
+    losses, tokens = [], 0
+    start = time.monotonic()
+    for _ in range(steps):
+        step_start = time.monotonic()
+        inputs, targets = next_batch()
+        loss = loss_function(model, inputs, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if after_backward is not None:
+            loss = after_backward(loss)
+        if grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        optimizer.step()
+        scheduler.step()
+        losses.append(loss.item())
+        tokens += inputs.numel()
+        if slowdown > 1:  # emulate slower hardware
+            time.sleep((slowdown - 1) * (time.monotonic() - step_start))
+    return InnerResult(losses, tokens, time.monotonic() - start)

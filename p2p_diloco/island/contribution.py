@@ -1,0 +1,107 @@
+"""One round's pseudo-gradient of one fragment, on its way to the group and back.
+
+Each encoding for the wire sits beside its decoding: error feedback compensates the pseudo-gradient going out
+and learns the codec's residual when the merge comes back; RDA encodes directions and norms going out and
+decodes the merge coming back. `judge` decides what the island applies: the group's merge, its own update
+(no partner, a failed or foreign round), or nothing (the group found it too stale).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from p2p_diloco.diloco.error_feedback import ErrorFeedback
+from p2p_diloco.diloco.fragments import Fragment
+from p2p_diloco.diloco.merge import is_finite, rda_decode, rda_encode
+from p2p_diloco.diloco.quantize import quantizer
+from p2p_diloco.diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.island.rounds import Verdict
+from p2p_diloco.net.codecs import describe_strangers, strangers
+from p2p_diloco.net.exchange import ExchangeResult
+
+logger = logging.getLogger(__name__)
+
+
+class Contribution:
+    """A pseudo-gradient prepared for the wire, with the metadata partners weigh and check it by."""
+
+    def __init__(
+        self,
+        delta: torch.Tensor,
+        fragment: Fragment,
+        metadata: dict[str, Any],
+        *,
+        peer_id: str,
+        merge_rule: str,
+        codec: str,
+        staleness_rule: StalenessRule,
+        feedback: ErrorFeedback | None,
+    ):
+        self.delta, self.fragment, self.metadata = delta, fragment, metadata
+        self.peer_id, self.merge_rule, self.codec = peer_id, merge_rule, codec
+        self.staleness_rule, self.feedback = staleness_rule, feedback
+        self.compensated = delta if feedback is None else feedback.compensate(delta)
+        """What is sent: the pseudo-gradient plus the residual the codec dropped last round."""
+
+    @property
+    def pre_digest(self) -> str:
+        """Digest of the fragment's outer state before this round's merge (the island's lineage)."""
+        return self.metadata["digest"]
+
+    @property
+    def offered_weight(self) -> float:
+        """The weight this island offers by its own view of the swarm: the group rule over a group of one."""
+        return group_weights({self.peer_id: self.metadata}, self.staleness_rule)[self.peer_id]
+
+    def payload(self) -> torch.Tensor:
+        """The vector that goes into the all-reduce."""
+        if self.merge_rule == "rda":
+            return rda_encode(self.compensated, self.fragment.tensor_sizes)
+        return self.compensated
+
+    def _accept(self, merged: torch.Tensor) -> torch.Tensor:
+        """The group's average of payloads, decoded into a pseudo-gradient; error feedback learns the residual."""
+        if self.feedback is not None:
+            self.feedback.update(quantizer(self.codec).round_trip(self.compensated), self.compensated)
+        return rda_decode(merged, self.fragment.tensor_sizes) if self.merge_rule == "rda" else merged
+
+    def _own(self, result: ExchangeResult, note: str | None) -> Verdict:
+        """Apply this island's own full-precision update: nothing was lost, so error feedback starts over."""
+        if self.feedback is not None:
+            self.feedback.clear()
+        return Verdict(result, self.compensated, merged=False, note=note, weights={self.peer_id: self.offered_weight})
+
+    def judge(self, result: ExchangeResult) -> Verdict:
+        """What the island applies after `result`: the group's merge, its own update, or nothing when stale."""
+        if result.merged is None:
+            return self._own(result, result.error)
+        members = {self.peer_id: self.metadata, **result.partners}
+        try:
+            weights = group_weights(members, self.staleness_rule)
+        except (KeyError, TypeError, ValueError):
+            weights = {}  # an island of another kind: the agreement check below discards the round
+        if weights.get(self.peer_id) == 0.0:
+            # Our view of the swarm was older than the group's (e.g. we were stalled): the group has already
+            # given our contribution weight 0, so catch up instead of applying its merge.
+            clock = max(int(m.get("swarm_step", m.get("outer_step", 0))) for m in members.values())
+            stale_by = clock - int(self.metadata["outer_step"])
+            return Verdict(result, None, merged=False, stale_by=stale_by, weights={self.peer_id: 0.0})
+        found = strangers(self.metadata, result.partners)
+        if found:
+            note = f"model or codec mismatch: discarded a round with islands of another kind: {sorted(found)}"
+            logger.warning(f"{note} ({describe_strangers(self.metadata, found)})")
+            return self._own(result, note)
+        if not is_finite(result.merged):
+            note = "NaN or inf in the merged update from a peer: round discarded"
+            logger.warning(note)
+            return self._own(result, note)
+        return Verdict(
+            result,
+            self._accept(result.merged),
+            merged=True,
+            weights={peer: weights.get(peer) for peer in members},
+            partners=result.partners,
+        )

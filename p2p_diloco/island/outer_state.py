@@ -1,0 +1,112 @@
+"""An island's outer state behind one lock: stepped by the training loop, served to peers, saved in checkpoints."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from p2p_diloco.diloco.fragments import Fragment
+from p2p_diloco.diloco.outer import OuterOptimizer, state_digest
+from p2p_diloco.net.records import ModelMismatchError
+
+
+class OuterState:
+    """Anchor, outer Nesterov momentum (and Delayed Nesterov's buffer) and the outer step of one island.
+
+    Islands on one lineage of outer steps hold these bit for bit; a peer that joins late downloads them. The lock
+    guards them against the averager process's state server, which reads them while the island trains.
+    """
+
+    def __init__(
+        self, anchor: torch.Tensor, *, lr: float, momentum: float, momentum_every: int, fingerprint: str, run_id: str
+    ):
+        self.lock = threading.RLock()
+        self.optimizer = OuterOptimizer(anchor, lr=lr, momentum=momentum, momentum_every=momentum_every)
+        self.fingerprint, self.run_id = fingerprint, run_id
+        self.outer_step = 0
+
+    @property
+    def anchor(self) -> torch.Tensor:
+        """The anchor weights, flat (the live tensor: read under the lock when a peer may be downloading)."""
+        return self.optimizer.anchor.data
+
+    def tensors(self, fragment: Fragment | None = None) -> list[torch.Tensor]:
+        """The tensors that islands on one lineage share bit for bit (views; of one fragment, if given)."""
+        optimizer = self.optimizer
+        if fragment is not None and not fragment.whole:
+            return [fragment.take(optimizer.anchor.data), fragment.take(optimizer.momentum())]
+        tensors = [optimizer.anchor.data, optimizer.momentum()]
+        if optimizer.momentum_every > 1:
+            pending = optimizer.pending
+            tensors.append(torch.zeros_like(optimizer.anchor.data) if pending is None else pending)
+        return tensors
+
+    def digest(self, fragment: Fragment | None = None) -> str:
+        """Digest of the (fragment's) shared tensors: equal on every island of the same lineage."""
+        with self.lock:
+            return state_digest(*self.tensors(fragment))
+
+    def for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs."""
+        with self.lock:
+            tensors = [tensor.clone() for tensor in self.tensors()]
+            step = self.outer_step
+        metadata = {
+            "outer_step": step,
+            "fingerprint": self.fingerprint,
+            "digest": state_digest(*tensors),
+            "run_id": self.run_id,
+        }
+        return metadata, tensors
+
+    def load(self, tensors: list[torch.Tensor], outer_step: int) -> None:
+        """Replace the whole state (from a checkpoint or a donor) and take its outer step."""
+        anchor, momentum, *rest = tensors
+        with self.lock:
+            optimizer = self.optimizer
+            optimizer.load(anchor, momentum)
+            every = optimizer.momentum_every
+            if every > 1:
+                optimizer.pending_count = outer_step % every
+                optimizer.pending = rest[0].clone() if rest and optimizer.pending_count else None
+            self.outer_step = outer_step
+
+    def load_fragment(self, fragment: Fragment, tensors: list[torch.Tensor]) -> None:
+        """Replace one fragment's anchor and momentum with a donor's (from its whole state `tensors`)."""
+        anchor, momentum = tensors[0], tensors[1]
+        with self.lock:
+            fragment.put(self.optimizer.anchor.data, fragment.take(anchor))
+            state = self.optimizer.optimizer.state[self.optimizer.anchor]
+            buffer = state.setdefault("momentum_buffer", torch.zeros_like(self.optimizer.anchor.data))
+            fragment.put(buffer, fragment.take(momentum))
+
+    def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor], source: str) -> None:
+        """Load a state downloaded from `source`, refusing one of another model."""
+        if metadata.get("fingerprint") != self.fingerprint:
+            raise ModelMismatchError(
+                f"model mismatch: {source} of run {self.run_id!r} trains model "
+                f"{metadata.get('fingerprint')}, this island's is {self.fingerprint}; "
+                "use the same [model] config as the swarm or another --run-id"
+            )
+        self.load(tensors, int(metadata["outer_step"]))
+
+    def step(self, update: torch.Tensor, fragment: Fragment) -> None:
+        """One outer step with a merged pseudo-gradient, on the whole model or one fragment."""
+        with self.lock:
+            if fragment.whole:
+                self.optimizer.step(update)
+            else:
+                self.optimizer.step_fragment(update, fragment.index)
+            self.outer_step += 1
+
+    def checkpoint(self) -> dict[str, Any]:
+        """A consistent copy for a checkpoint."""
+        with self.lock:
+            return {
+                "anchor": self.anchor.clone(),
+                "outer_tensors": [tensor.clone() for tensor in self.tensors()],
+                "outer_step": self.outer_step,
+                "fingerprint": self.fingerprint,
+            }

@@ -1,0 +1,204 @@
+"""The island's round logic without processes: a fake exchange and fake run records drive every branch.
+
+Each test runs a real `Island` (tiny model, real inner steps, real outer optimizer) whose link to the swarm is a
+script: what each averaging round returns and what a state download serves. The multi-process tests in
+test_swarm.py and test_decoupled_swarm.py check the same behaviour with real daemons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import TINY
+
+from p2p_diloco.config import load_config
+from p2p_diloco.diloco.outer import OuterOptimizer
+from p2p_diloco.island.island import Island
+from p2p_diloco.island.link import SwarmLink
+from p2p_diloco.net.exchange import ExchangeResult
+from p2p_diloco.train.metrics import read_metrics
+
+ME = "me"
+
+
+class FakeRecords:
+    """The run's records: the other islands' announcements, as the test sets them."""
+
+    def __init__(self, view: dict[str, dict[str, Any]] | None = None):
+        self.view = view or {}
+        self.announced: list[dict[str, Any]] = []
+
+    def announce(self, info: dict[str, Any], *, check: bool) -> dict[str, dict[str, Any]]:
+        self.announced.append(dict(info))
+        return dict(self.view)
+
+
+class FakeExchange:
+    """Answers averaging round i with `rounds[i](payload, metadata)` and state download j with `states[j]()`.
+
+    The first download is the one every island makes when it joins; downloads past the list find no donor.
+    """
+
+    def __init__(self, rounds: list[Callable[[torch.Tensor, dict], ExchangeResult]]):
+        self.rounds = list(rounds)
+        self.states: list[Callable[[], Any]] = []
+        self.sent: list[tuple[torch.Tensor, dict, float]] = []
+        self.downloads: list[list[str] | None] = []
+
+    def average(self, payload, metadata, *, weight, grace_s, timeout, schema_tag=None) -> ExchangeResult:
+        self.sent.append((payload.clone(), dict(metadata), weight))
+        return self.rounds.pop(0)(payload, metadata)
+
+    def load_state(self, timeout: float, peers=None):
+        self.downloads.append(peers)
+        return self.states.pop(0)() if self.states else None
+
+    def set_state_priority(self, priority: float) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def island(tmp_path: Path, exchange: FakeExchange, records: FakeRecords, **overrides: Any) -> Island:
+    settings = {"train.outer_steps": 1, "train.inner_steps": 3, "metrics": str(tmp_path / "m.jsonl")}
+    settings.update(overrides)
+    config = load_config(TINY, settings)
+
+    def connector(network, *, announcement, state_provider, exchange_size, staleness_rule) -> SwarmLink:
+        return SwarmLink(peer_id=ME, exchange=exchange, records=records)
+
+    return Island(config, connector=connector)
+
+
+def partner(metadata: dict, **changes: Any) -> dict[str, dict]:
+    """A partner's gathered metadata: by default on our lineage, same model and codec, same weight."""
+    return {"peer-b": {**metadata, "ready": metadata["ready"], **changes}}
+
+
+def merged_with(update: Callable[[torch.Tensor], torch.Tensor], **changes: Any):
+    def round_(payload: torch.Tensor, metadata: dict) -> ExchangeResult:
+        return ExchangeResult(merged=update(payload), partners=partner(metadata, **changes), wait_s=0.01)
+
+    return round_
+
+
+def no_partner(error: str = "no partner within the window"):
+    return lambda payload, metadata: ExchangeResult(merged=None, error=error)
+
+
+def expected_anchor(start: torch.Tensor, update: torch.Tensor, config) -> torch.Tensor:
+    outer = OuterOptimizer(start, lr=config.train.outer_lr, momentum=config.train.outer_momentum)
+    return outer.step(update).clone()
+
+
+def run(node: Island) -> list[dict]:
+    node.run()
+    return read_metrics(node.config.metrics)
+
+
+def test_a_merged_round_applies_the_group_update(tmp_path: Path) -> None:
+    exchange = FakeExchange([merged_with(lambda payload: payload * 0.5)])
+    node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 0}}))
+    start = node.state.anchor.clone()
+    (record,) = run(node)
+    sent, metadata, weight = exchange.sent[0]
+    assert metadata["outer_step"] == 0 and metadata["fingerprint"] == node.fingerprint and weight > 0
+    torch.testing.assert_close(node.state.anchor, expected_anchor(start, sent * 0.5, node.config), rtol=0, atol=0)
+    assert record["merged"] and record["partners"] == 1 and record["group"] == ["peer-b"]
+    assert not record["resynced"] and record["note"] is None and len(record["merge_weights"]) == 2
+
+
+@pytest.mark.parametrize("error", ["no partner within the window", "AllreduceException: partial all-reduce"])
+def test_a_round_without_a_merge_applies_the_own_update(tmp_path: Path, error: str) -> None:
+    exchange = FakeExchange([no_partner(error)])
+    node = island(tmp_path, exchange, FakeRecords())
+    start = node.state.anchor.clone()
+    (record,) = run(node)
+    sent = exchange.sent[0][0]
+    torch.testing.assert_close(node.state.anchor, expected_anchor(start, sent, node.config), rtol=0, atol=0)
+    assert not record["merged"] and record["partners"] == 0 and record["note"] == error
+
+
+def test_a_round_with_a_foreign_island_is_discarded(tmp_path: Path) -> None:
+    exchange = FakeExchange([merged_with(lambda payload: payload * 0.0, fingerprint="someone-else")])
+    node = island(tmp_path, exchange, FakeRecords())
+    start = node.state.anchor.clone()
+    (record,) = run(node)
+    torch.testing.assert_close(node.state.anchor, expected_anchor(start, exchange.sent[0][0], node.config))
+    assert not record["merged"] and "model or codec mismatch" in record["note"] and "peer-b" in record["note"]
+
+
+def test_a_non_finite_merge_is_never_applied(tmp_path: Path) -> None:
+    exchange = FakeExchange([merged_with(lambda payload: torch.full_like(payload, float("nan")))])
+    node = island(tmp_path, exchange, FakeRecords())
+    (record,) = run(node)
+    assert bool(torch.isfinite(node.state.anchor).all())
+    assert not record["merged"] and "NaN or inf" in record["note"]
+
+
+def donor_state(node: Island, step: int, shift: float = 1.0):
+    metadata, tensors = node.state.for_peers()
+    tensors = [tensor + shift for tensor in tensors]
+    return {**metadata, "outer_step": step}, tensors
+
+
+def test_a_too_stale_island_catches_up_instead_of_exchanging(tmp_path: Path) -> None:
+    exchange = FakeExchange([no_partner()])  # the round after the catch-up
+    node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 9}}), **{"train.outer_steps": 12})
+    exchange.states = [lambda: None, lambda: donor_state(node, 11)]  # nobody at join; a donor at step 11 later
+    first, second = run(node)
+    assert len(exchange.sent) == 1  # only the round after the catch-up sent anything
+    assert first["resynced"] and first["outer_step"] == 11 and first["partners"] == 0
+    assert first["note"] == "9 steps stale: contribution rejected, resynced to outer step 11"
+    assert second["outer_step"] == 12 and not second["resynced"]
+
+
+def test_a_too_stale_island_with_no_newer_donor_applies_its_own_update(tmp_path: Path) -> None:
+    exchange = FakeExchange([])
+    node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 9}}))
+    start = node.state.anchor.clone()
+    (record,) = run(node)
+    assert exchange.sent == [] and not record["resynced"] and node.outer_step == 1
+    assert record["note"] == "9 steps stale and no newer donor answered"
+    assert not torch.equal(node.state.anchor, start)
+
+
+def test_the_group_rejects_a_stale_island_that_then_catches_up(tmp_path: Path) -> None:
+    # Our view said we were current, but a partner knows the swarm is 6 steps ahead: the group gives us weight 0.
+    exchange = FakeExchange([merged_with(lambda payload: payload, swarm_step=6, outer_step=6)])
+    node = island(tmp_path, exchange, FakeRecords())
+    exchange.states = [lambda: None, lambda: donor_state(node, 7)]
+    (record,) = run(node)
+    assert record["resynced"] and node.outer_step == 7 and record["merge_weights"] == [0.0]
+    assert record["note"] == "6 steps stale: contribution rejected, resynced to outer step 7"
+    assert torch.equal(node.state.anchor, node.trainer.weights())  # the model holds the adopted anchor
+
+
+def test_an_island_off_the_group_lineage_downloads_the_canonical_state(tmp_path: Path) -> None:
+    # A partner one step ahead is on the canonical lineage: after the merge we fetch its state.
+    exchange = FakeExchange([merged_with(lambda payload: payload * 0.5, outer_step=1, digest="other-lineage")])
+    node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 1}}))
+    donor = {}
+    exchange.states = [lambda: None, lambda: donor.setdefault("state", donor_state(node, 1, shift=0.25))]
+    (record,) = run(node)
+    assert exchange.downloads == [None, ["peer-b"]]  # at join, then from the canonical member only
+    assert record["resynced"] and record["merged"] and node.outer_step == 1
+    assert torch.equal(node.state.anchor, donor["state"][1][0])
+
+
+def test_an_overlapped_streaming_island_lands_each_fragment_in_the_next_round(tmp_path: Path) -> None:
+    exchange = FakeExchange([merged_with(lambda payload: payload * 0.5)] * 3)
+    overrides = {"train.outer_steps": 3, "train.inner_steps": 4, "train.fragments": 2, "train.overlap_steps": 1}
+    node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 0}}), **overrides)
+    records = run(node)
+    assert [metadata["fragment"] for _, metadata, _ in exchange.sent] == [0, 1, 0]
+    assert records[0]["note"] == "first exchange in flight" and records[0]["fragment"] is None
+    assert [r["fragment"] for r in records[1:]] == [0, 1, 0]  # what landed in each later round (and at the end)
+    assert all(r["merged"] for r in records[1:]) and node.outer_step == 3
+    sizes = {f.number: f.size for f in node.fragments}
+    assert [sent.numel() for sent, _, _ in exchange.sent] == [sizes[0], sizes[1], sizes[0]]
