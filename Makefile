@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint clean bench bench-quick
-BENCHMARKS := $(filter-out benchmarks/report.py benchmarks/common.py,$(sort $(wildcard benchmarks/*.py)))
+BENCHMARKS := $(filter-out benchmarks/report.py,$(sort $(wildcard benchmarks/*.py)))
 
 setup: $(STAMP)
 

@@ -19,17 +19,14 @@ per step (P parameters, fp32), so
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from common import provenance, run_islands
+from lib.common import TINY, benchmark_parser, provenance, run_islands, write_result
 
 from p2p_diloco.config import load_config
 from p2p_diloco.train.model import build_model, count_parameters
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 CODECS = ["fp32", "fp16", "bf16", "int8", "int4"]
 
 
@@ -41,7 +38,7 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
     flags += ["--target-group-size", str(args.islands), "--averaging-timeout", "120", "--batch-size", "8"]
     flags += ["--eval-batches", "16"]
     if args.tiny:
-        flags += ["--config", str(REPO / "peers" / "tiny.toml")]
+        flags += ["--config", str(TINY)]
     records, exit_codes, wall = run_islands(
         out / name,
         name,
@@ -50,7 +47,7 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
         per_island=lambda index: ["--shard-index", str(index)],
         timeout=args.timeout,
     )
-    config = load_config(REPO / "peers" / "tiny.toml" if args.tiny else None)
+    config = load_config(TINY if args.tiny else None)
     parameters = count_parameters(build_model(config.model, seed=0))
     tokens_per_step = 8 * config.model.seq_len
     dp_bytes_per_token = 2 * parameters * 4 / tokens_per_step
@@ -120,28 +117,12 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run every (H, codec) and write bandwidth.json and bandwidth.png (bandwidth-smoke.* with --smoke)."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="tiny model, fewer outer steps")
-    parser.add_argument("--smoke", action="store_true", help="fp32 and int8, 2 islands, tiny model, H = 10")
-    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON and PNG go")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
-    args = parser.parse_args(argv)
-    args.islands, args.tiny = 4, False
-    grid = {50: 4, 100: 2}  # H -> outer steps: every H sees the same number of tokens
-    codecs = CODECS
-    if args.quick:
-        args.tiny, grid = True, {50: 4, 100: 2}
-    if args.smoke:
-        args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    runs = args.out / "bandwidth-runs"
-    rows = [run_one(codec, h, steps, args, runs) for h, steps in grid.items() for codec in codecs]
+def summarise(rows: list[dict], grid: dict[int, int]) -> dict:
+    """The figures at the largest H, and per H, from every (H, codec) row."""
     target_h = max(grid)
     at_target = {row["codec"]: row for row in rows if row["H"] == target_h}
     fp32_loss = at_target["fp32"]["final_eval_loss"] if "fp32" in at_target else None
-    result = {
+    return {
         "H": target_h,
         "ratio_vs_data_parallel": {c: row["ratio_vs_data_parallel"] for c, row in at_target.items()},
         "final_eval_loss": {c: row["final_eval_loss"] for c, row in at_target.items()},
@@ -160,20 +141,47 @@ def main(argv: list[str] | None = None) -> int:
             }
             for h in grid
         },
+    }
+
+
+NOTES = (
+    "Payload bytes are what the all-reduce sends (each island sends (M-1)/M of its vector to the other "
+    "reducers and returns the averaged part it reduced to the others, so about 2(M-1)/M values per "
+    "round); the data-parallel baseline is the issue's 2*P*4 bytes per step. TCP bytes also count libp2p "
+    "framing, encryption, DHT announces and matchmaking, which weigh more on small models."
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every (H, codec) and write bandwidth.json and bandwidth.png (bandwidth-smoke.* with --smoke)."""
+    parser = benchmark_parser(
+        __doc__,
+        quick="tiny model, fewer outer steps",
+        smoke="fp32 and int8, 2 islands, tiny model, H = 10",
+        out="where the JSON and PNG go",
+    )
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
+    args = parser.parse_args(argv)
+    args.islands, args.tiny = 4, False
+    grid = {50: 4, 100: 2}  # H -> outer steps: every H sees the same number of tokens
+    codecs = CODECS
+    if args.quick:
+        args.tiny, grid = True, {50: 4, 100: 2}
+    if args.smoke:
+        args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8"]
+    runs = args.out / "bandwidth-runs"
+    rows = [run_one(codec, h, steps, args, runs) for h, steps in grid.items() for codec in codecs]
+    result = {
+        **summarise(rows, grid),
         "targets": {"int8_ratio_at_H100": 400, "int4_ratio_at_H100": 800, "loss_within": 0.005},
         "rows": rows,
-        "notes": (
-            "Payload bytes are what the all-reduce sends (each island sends (M-1)/M of its vector to the other "
-            "reducers and returns the averaged part it reduced to the others, so about 2(M-1)/M values per "
-            "round); the data-parallel baseline is the issue's 2*P*4 bytes per step. TCP bytes also count libp2p "
-            "framing, encryption, DHT announces and matchmaking, which weigh more on small models."
-        ),
+        "notes": NOTES,
         **provenance("bandwidth.py", argv),
     }
     name = "bandwidth-smoke" if args.smoke else "bandwidth"
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result(args.out, name, result)
     plot(rows, args.out / f"{name}.png")
-    print(f"wrote {args.out / (name + '.json')} and {name}.png")
+    print(f"wrote {path} and {name}.png")
     failed = [row for row in rows if any(code != 0 for code in row["exit_codes"])]
     return 1 if failed else 0
 

@@ -13,26 +13,24 @@ island exited with an error it should have survived.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import os
 import random
 import shutil
 import signal
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common import machine
+from lib.common import TINY, benchmark_parser, provenance, write_result
 
-from p2p_diloco.cli.swarm import spawn, start_bootstrap, stop
-from p2p_diloco.train.metrics import read_metrics
+from p2p_diloco.cli.launcher import LocalSwarm, PeerProcess
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 MODES = {"decoupled": [], "synchronous": ["--quorum", "{n}", "--averaging-timeout", "60"]}
+# mode: islands, budget, kill_every, restart_after, stop_every, stop_for
+PRESETS = {
+    "smoke": (3, 26.0, 9.0, 4.0, 14.0, 4.0),
+    "quick": (4, 60.0, 20.0, 8.0, 25.0, 6.0),
+    "full": (5, 90.0, 30.0, 10.0, 40.0, 8.0),
+}
 
 
 @dataclass
@@ -73,80 +71,75 @@ class Schedule:
         return cls(sorted(events))
 
 
-def run(
-    mode: str, schedule: Schedule | None, *, islands: int, budget: float, inner_steps: int, tiny: bool, folder: Path
-) -> dict:
-    """One run of `budget` seconds; returns its measurements."""
-    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's checkpoints would be resumed from
-    folder.mkdir(parents=True)
-    bootstrap, maddrs = start_bootstrap(folder, run_id=f"chaos-{mode}")
-    flags = [flag.format(n=islands) for flag in MODES[mode]]
+@dataclass
+class Faults:
+    """What the injector did during one run."""
 
-    def start(index: int, remaining: float):
-        args = [
-            "peer",
-            "--initial-peers",
-            *maddrs,
-            "--run-id",
-            f"chaos-{mode}",
-            "--shard-index",
-            str(index),
-            "--num-shards",
-            str(islands),
-            "--metrics",
-            str(folder / f"island-{index}.jsonl"),
-            "--checkpoint-dir",
-            str(folder / f"island-{index}-ckpt"),
-            "--outer-steps",
-            "100000",
-            "--time-budget-s",
-            str(max(1.0, remaining)),
-            "--inner-steps",
-            str(inner_steps),
-            "--target-group-size",
-            str(islands),
-            "--next-chunk-timeout",
-            "3",
-            "--batch-size",
-            "8",
-            *flags,
-        ]
-        if tiny:
-            args += ["--config", str(REPO / "peers" / "tiny.toml")]
-        return spawn(args, log_path=folder / f"island-{index}.log.{int(time.monotonic() * 1000)}")
+    kills: int = 0
+    kill_times: list[tuple[int, float]] = field(default_factory=list)
+    """(island, wall-clock time) of every kill."""
+    restarts: list[tuple[int, float]] = field(default_factory=list)
+    """(island, wall-clock time) of every restart."""
 
-    for index in range(islands):
-        (folder / f"island-{index}.jsonl").unlink(missing_ok=True)
-    started = time.monotonic()
-    processes = {index: start(index, budget) for index in range(islands)}
-    killed, restarts, kill_times = [], [], []
-    try:
-        for at, action, index in schedule.events if schedule else []:
-            delay = started + at - time.monotonic()
+
+class ChaosSwarm:
+    """A bootstrap and islands of one mode, each with the time left of the run's budget when (re)started."""
+
+    def __init__(self, mode: str, *, islands: int, budget: float, inner_steps: int, tiny: bool, folder: Path):
+        self.mode, self.islands, self.budget, self.inner_steps = mode, islands, budget, inner_steps
+        self.config = TINY if tiny else None
+        self.swarm = LocalSwarm(folder, run_id=f"chaos-{mode}")
+        self.started = time.monotonic()
+
+    def island(self, index: int) -> PeerProcess:
+        """The island's current process."""
+        return self.swarm.peers[f"island-{index}"]
+
+    def start(self, index: int, remaining: float) -> PeerProcess:
+        """Start island `index` (again) for `remaining` seconds: it resumes from its checkpoint, appends metrics."""
+        flags = [flag.format(n=self.islands) for flag in MODES[self.mode]]
+        args = ["--shard-index", str(index), "--num-shards", str(self.islands), "--outer-steps", "100000"]
+        args += ["--time-budget-s", str(max(1.0, remaining)), "--inner-steps", str(self.inner_steps)]
+        args += ["--target-group-size", str(self.islands), "--next-chunk-timeout", "3", "--batch-size", "8", *flags]
+        return self.swarm.peer(f"island-{index}", *args, config=self.config)
+
+    def run(self, schedule: Schedule | None) -> Faults:
+        """Start every island, inject the faults, wait for every island to finish its budget; stop everything."""
+        try:
+            self.swarm.bootstrap()
+            self.started = time.monotonic()
+            for index in range(self.islands):
+                self.start(index, self.budget)
+            faults = self.inject(schedule.events if schedule else [])
+            for peer in self.swarm.peers.values():
+                peer.wait(max(30.0, self.budget - (time.monotonic() - self.started) + 120))
+        finally:
+            self.swarm.close()  # wakes frozen islands first
+        return faults
+
+    def inject(self, events: list[tuple[float, str, int]]) -> Faults:
+        """Kill, restart, freeze and wake islands at the scheduled times."""
+        faults = Faults()
+        for at, action, index in events:
+            delay = self.started + at - time.monotonic()
             if delay > 0:
                 time.sleep(delay)  # the injector's clock: faults happen at scheduled times
-            process = processes[index]
-            if action == "kill" and process.poll() is None:
-                process.send_signal(signal.SIGKILL)  # the island alone: its DHT and p2pd must follow it
-                process.wait()
-                killed.append(process)
-                kill_times.append((index, time.time()))
+            island = self.island(index)
+            if action == "kill" and island.running:
+                island.process.send_signal(signal.SIGKILL)  # the island alone: its DHT and p2pd must follow it
+                island.process.wait()
+                faults.kills += 1
+                faults.kill_times.append((index, time.time()))
             elif action == "restart":
-                processes[index] = start(index, budget - (time.monotonic() - started))
-                restarts.append((index, time.time()))
-            elif action in ("stop", "cont") and process.poll() is None:
-                os.killpg(process.pid, signal.SIGSTOP if action == "stop" else signal.SIGCONT)
-        for process in processes.values():
-            process.wait(timeout=max(30.0, budget - (time.monotonic() - started) + 120))
-    finally:
-        for process in processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGCONT)
-            stop(process)
-        stop(bootstrap)
-    wall = time.monotonic() - started
+                self.start(index, self.budget - (time.monotonic() - self.started))
+                faults.restarts.append((index, time.time()))
+            elif action in ("stop", "cont") and island.running:
+                island.signal_group(signal.SIGSTOP if action == "stop" else signal.SIGCONT)
+        return faults
 
-    records = {index: read_metrics(folder / f"island-{index}.jsonl") for index in range(islands)}
+
+def useful_tokens(records: dict[int, list[dict]]) -> int:
+    """Training tokens of every round that was not merged as stale, summed over islands."""
     useful = 0
     for recs in records.values():
         previous = 0
@@ -155,10 +148,15 @@ def run(
             previous = record["tokens"]
             if not (record.get("note") or "").count("stale"):
                 useful += max(0, gained)
+    return useful
+
+
+def recovery_times(records: dict[int, list[dict]], faults: Faults) -> tuple[list[float | None], int]:
+    """Seconds from each restart to the island's first merged round, and how many were killed before one."""
     recovery, killed_before_merging = [], 0
-    for index, restarted_at in restarts:
+    for index, restarted_at in faults.restarts:
         # Only this incarnation counts: an island killed again before it merged has no recovery time.
-        next_kill = min((t for i, t in kill_times if i == index and t > restarted_at), default=float("inf"))
+        next_kill = min((t for i, t in faults.kill_times if i == index and t > restarted_at), default=float("inf"))
         merged_after = [r["time"] for r in records[index] if restarted_at < r["time"] < next_kill and r["partners"] > 0]
         if merged_after:
             recovery.append(merged_after[0] - restarted_at)
@@ -166,18 +164,37 @@ def run(
             killed_before_merging += 1
         else:
             recovery.append(None)
+    return recovery, killed_before_merging
+
+
+def unexpected_errors(chaos: ChaosSwarm, folder: Path) -> list[str]:
+    """Islands whose last process exited with an error, and every island that gave up with an error."""
     errors = [
-        f"island-{index} exited {process.returncode}"
-        for index, process in processes.items()
-        if process.returncode not in (0,)
+        f"island-{index} exited {chaos.island(index).process.returncode}"
+        for index in range(chaos.islands)
+        if chaos.island(index).process.returncode not in (0,)
     ]
     # hivemind logs every failed round with a traceback; what counts is an island giving up with an error.
     fatal = sorted(
         f"{path.name}: {line.strip()}"
-        for path in folder.glob("island-*.log.*")
+        for path in folder.glob("island-*.log*")
         for line in path.read_text(errors="replace").splitlines()
         if line.startswith("p2p-diloco peer: error")
     )
+    return errors + fatal
+
+
+def run(
+    mode: str, schedule: Schedule | None, *, islands: int, budget: float, inner_steps: int, tiny: bool, folder: Path
+) -> dict:
+    """One run of `budget` seconds; returns its measurements."""
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's checkpoints would be resumed from
+    chaos = ChaosSwarm(mode, islands=islands, budget=budget, inner_steps=inner_steps, tiny=tiny, folder=folder)
+    faults = chaos.run(schedule)
+    wall = time.monotonic() - chaos.started
+    records = {index: chaos.island(index).records() for index in range(islands)}
+    useful = useful_tokens(records)
+    recovery, killed_before_merging = recovery_times(records, faults)
     final = [recs[-1]["eval_loss"] for recs in records.values() if recs]
     return {
         "mode": mode,
@@ -187,8 +204,8 @@ def run(
         "final_eval_loss": sum(final) / len(final) if final else None,
         "restart_to_first_merge_s": recovery,
         "restarts_killed_before_merging": killed_before_merging,
-        "errors": errors + fatal,
-        "kills": len(killed),
+        "errors": unexpected_errors(chaos, folder),
+        "kills": faults.kills,
         "wall_s": wall,
     }
 
@@ -215,31 +232,8 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run both modes with and without the fault schedule; write chaos.json and chaos.png."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=str(RESULTS))
-    args = parser.parse_args(argv)
-    out = Path(args.out)
-    if args.smoke:
-        islands, budget, kill_every, restart_after, stop_every, stop_for = 3, 26.0, 9.0, 4.0, 14.0, 4.0
-    elif args.quick:
-        islands, budget, kill_every, restart_after, stop_every, stop_for = 4, 60.0, 20.0, 8.0, 25.0, 6.0
-    else:
-        islands, budget, kill_every, restart_after, stop_every, stop_for = 5, 90.0, 30.0, 10.0, 40.0, 8.0
-    schedule = Schedule.make(
-        seed=args.seed,
-        islands=islands,
-        budget=budget,
-        kill_every=kill_every,
-        restart_after=restart_after,
-        stop_every=stop_every,
-        stop_for=stop_for,
-    )
-    print(f"fault schedule: {schedule.events}", flush=True)
+def run_all(schedule: Schedule, islands: int, budget: float, *, smoke: bool, out: Path) -> list[dict]:
+    """Both modes, each without and with the fault schedule."""
     runs = []
     for mode in ("decoupled", "synchronous"):
         for faults in (False, True):
@@ -250,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                 schedule if faults else None,
                 islands=islands,
                 budget=budget,
-                inner_steps=10 if args.smoke else 20,
-                tiny=args.smoke,
+                inner_steps=10 if smoke else 20,
+                tiny=smoke,
                 folder=out / "chaos-runs" / label,
             )
             runs.append(row)
@@ -260,38 +254,50 @@ def main(argv: list[str] | None = None) -> int:
                 f"recovery {row['restart_to_first_merge_s']}  errors {row['errors']}",
                 flush=True,
             )
+    return runs
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Per mode: goodput with faults relative to without, and the faulty run's figures."""
     by = {(r["mode"], r["faults"]): r for r in runs}
-    goodput = {
-        mode: by[(mode, True)]["goodput_tokens_per_s"] / max(1e-9, by[(mode, False)]["goodput_tokens_per_s"])
-        for mode in MODES
-    }
-    result = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
-        "islands": islands,
-        "budget_s": budget,
-        "schedule": {
-            "seed": args.seed,
-            "kill_every": kill_every,
-            "restart_after": restart_after,
-            "stop_every": stop_every,
-            "stop_for": stop_for,
-            "events": schedule.events,
+    return {
+        "goodput": {
+            mode: by[(mode, True)]["goodput_tokens_per_s"] / max(1e-9, by[(mode, False)]["goodput_tokens_per_s"])
+            for mode in MODES
         },
-        "goodput": goodput,
         "final_eval_loss": {mode: by[(mode, True)]["final_eval_loss"] for mode in MODES},
         "restart_to_first_merge_s": {mode: by[(mode, True)]["restart_to_first_merge_s"] for mode in MODES},
         "restarts_killed_before_merging": {mode: by[(mode, True)]["restarts_killed_before_merging"] for mode in MODES},
         "unexpected_errors": {mode: by[(mode, True)]["errors"] + by[(mode, False)]["errors"] for mode in MODES},
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run both modes with and without the fault schedule; write chaos.json and chaos.png."""
+    parser = benchmark_parser(
+        __doc__, quick="4 islands, 60 s per run", smoke="3 islands, tiny model, short runs (used by the tests)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    preset = "smoke" if args.smoke else "quick" if args.quick else "full"
+    islands, budget, kill_every, restart_after, stop_every, stop_for = PRESETS[preset]
+    timing = dict(kill_every=kill_every, restart_after=restart_after, stop_every=stop_every, stop_for=stop_for)
+    schedule = Schedule.make(seed=args.seed, islands=islands, budget=budget, **timing)
+    print(f"fault schedule: {schedule.events}", flush=True)
+    runs = run_all(schedule, islands, budget, smoke=args.smoke, out=args.out)
+    result = {
+        **provenance("chaos.py", argv),
+        "islands": islands,
+        "budget_s": budget,
+        "schedule": {"seed": args.seed, **timing, "events": schedule.events},
+        **summarise(runs),
         "runs": runs,
     }
     name = "chaos-smoke" if args.smoke else "chaos"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot(result, out / f"{name}.png")
-    print(f"goodput relative to no faults: {goodput}")
-    print(f"wrote {out / (name + '.json')}")
+    path = write_result(args.out, name, result)
+    plot(result, args.out / f"{name}.png")
+    print(f"goodput relative to no faults: {result['goodput']}")
+    print(f"wrote {path}")
     return 0
 
 

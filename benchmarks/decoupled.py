@@ -12,16 +12,9 @@ wall-clock time the fast islands spent blocked on the network.
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import json
-import sys
 from pathlib import Path
 
-from common import machine, run_islands
-
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
+from lib.common import TINY, benchmark_parser, provenance, run_islands, write_result
 
 # (name, mode, merge, flags)
 CONFIGS = [
@@ -41,19 +34,10 @@ CONFIGS = [
 SMOKE = ["sync", "k1-adaptive-tokens"]
 
 
-def run_config(
-    name: str,
-    merge: str,
-    flags: list[str],
-    *,
-    budget: float,
-    islands: int,
-    slow: float,
-    inner_steps: int,
-    tiny: bool,
-    out: Path,
-) -> dict:
-    """One configuration: bootstrap + islands for `budget` seconds; returns its row."""
+def swarm_flags(
+    merge: str, flags: list[str], *, budget: float, islands: int, inner_steps: int, tiny: bool
+) -> list[str]:
+    """The flags every island of one configuration gets."""
     flags = [
         "--num-shards",
         str(islands),
@@ -75,8 +59,23 @@ def run_config(
         "8",
         *flags,
     ]
-    if tiny:
-        flags += ["--config", str(REPO / "peers" / "tiny.toml")]
+    return flags + ["--config", str(TINY)] if tiny else flags
+
+
+def run_config(
+    name: str,
+    merge: str,
+    flags: list[str],
+    *,
+    budget: float,
+    islands: int,
+    slow: float,
+    inner_steps: int,
+    tiny: bool,
+    out: Path,
+) -> dict:
+    """One configuration: bootstrap + islands for `budget` seconds; returns its row."""
+    flags = swarm_flags(merge, flags, budget=budget, islands=islands, inner_steps=inner_steps, tiny=tiny)
 
     def island_flags(index: int) -> list[str]:
         slower = ["--slowdown", str(slow)] if index == islands - 1 and slow > 1 else []
@@ -138,16 +137,25 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def targets(rows: list[dict]) -> dict | None:
+    """Adaptive grace against K=1 without grace (goodput) and against synchronous DiLoCo (eval loss)."""
+    by_name = {row["name"]: row for row in rows}
+    if not {"k1-adaptive-tokens", "k1-nograce-tokens", "sync"} <= set(by_name):
+        return None
+    adaptive, nograce, sync = by_name["k1-adaptive-tokens"], by_name["k1-nograce-tokens"], by_name["sync"]
+    return {
+        "adaptive_goodput_vs_k1_no_grace": adaptive["goodput"] / nograce["goodput"],
+        "adaptive_eval_minus_sync_eval": adaptive["mean_final_eval_loss"] - sync["mean_final_eval_loss"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the configurations and write benchmarks/results/decoupled.json and decoupled.png."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="short budget per configuration")
-    parser.add_argument("--smoke", action="store_true", help="two configurations, tiny model, seconds each")
+    parser = benchmark_parser(
+        __doc__, quick="short budget per configuration", smoke="two configurations, tiny model, seconds each"
+    )
     parser.add_argument("--budget", type=float, help="seconds per configuration")
-    parser.add_argument("--out", default=str(RESULTS), help="folder for the JSON, the PNG and run logs")
     args = parser.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     configs = [c for c in CONFIGS if c[0] in SMOKE] if args.smoke else CONFIGS
     budget = args.budget or (12 if args.smoke else 30 if args.quick else 45)
     inner_steps = 10 if args.smoke else 20
@@ -163,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             slow=3.0,
             inner_steps=inner_steps,
             tiny=args.smoke,
-            out=out / "decoupled-runs",
+            out=args.out / "decoupled-runs",
         )
         row.update({"mode": mode, "merge": merge})
         rows.append(row)
@@ -173,25 +181,18 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
     result = {
-        "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": machine(),
+        **provenance("decoupled.py", argv),
         "budget_s": budget,
         "islands": 4,
         "slowdown_of_last_island": 3.0,
         "rows": rows,
     }
-    by_name = {row["name"]: row for row in rows}
-    if {"k1-adaptive-tokens", "k1-nograce-tokens", "sync"} <= set(by_name):
-        adaptive, nograce, sync = by_name["k1-adaptive-tokens"], by_name["k1-nograce-tokens"], by_name["sync"]
-        result["targets"] = {
-            "adaptive_goodput_vs_k1_no_grace": adaptive["goodput"] / nograce["goodput"],
-            "adaptive_eval_minus_sync_eval": adaptive["mean_final_eval_loss"] - sync["mean_final_eval_loss"],
-        }
+    if (found := targets(rows)) is not None:
+        result["targets"] = found
     name = "decoupled-smoke" if args.smoke else "decoupled"
-    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
-    plot(rows, out / f"{name}.png")
-    print(f"wrote {out / (name + '.json')} and {out / (name + '.png')}")
+    path = write_result(args.out, name, result)
+    plot(rows, args.out / f"{name}.png")
+    print(f"wrote {path} and {args.out / (name + '.png')}")
     return 0
 
 

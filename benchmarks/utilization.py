@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from common import provenance, run_islands
+from lib.common import TINY, benchmark_parser, provenance, run_islands, write_result
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results"
 SUBNET = "10.231.{}.{}"
 
 
@@ -123,7 +120,7 @@ def run_mode(name: str, flags: list[str], args: argparse.Namespace, link: dict |
     # Matchmaking takes at least min_matchmaking_time: keep it inside the overlap window of the streaming mode.
     common += ["--min-matchmaking-time", "0.5", "--request-timeout", "0.4"]
     if args.tiny:
-        common += ["--config", str(REPO / "peers" / "tiny.toml")]
+        common += ["--config", str(TINY)]
     prefix = host = None
     environment = {}
     if link is not None:
@@ -174,42 +171,38 @@ def run_mode(name: str, flags: list[str], args: argparse.Namespace, link: dict |
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Blocking vs streaming on a shaped link; writes utilization.json and utilization.png."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="default model, 2 full-model syncs per mode")
-    parser.add_argument("--smoke", action="store_true", help="tiny model, very few steps (used by the tests)")
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The flags, plus the mode's model size (`tiny`), H (`inner_steps`) and full-model syncs (`syncs`)."""
+    parser = benchmark_parser(
+        __doc__,
+        quick="default model, 2 full-model syncs per mode",
+        smoke="tiny model, very few steps (used by the tests)",
+    )
     parser.add_argument("--link", choices=["auto", "netns", "limiter"], default="auto")
     parser.add_argument("--rate-mbit", type=float, default=100.0)
     parser.add_argument("--delay-ms", type=float, default=50.0, help="needs netem; reported when unavailable")
     parser.add_argument("--fragments", type=int, default=2, help="P of the streaming mode")
     parser.add_argument("--overlap-steps", type=int, default=None, help="τ of the streaming mode (default H/P)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--timeout", type=float, default=900.0)
     args = parser.parse_args(argv)
-    args.tiny, args.inner_steps, syncs = False, 100, 4
+    args.tiny, args.inner_steps, args.syncs = False, 100, 4
     if args.quick:
-        args.tiny, args.inner_steps, syncs = False, 100, 2
+        args.tiny, args.inner_steps, args.syncs = False, 100, 2
     if args.smoke:
-        args.tiny, args.inner_steps, syncs = True, 10, 2
-    tau = args.overlap_steps if args.overlap_steps is not None else args.inner_steps // args.fragments
+        args.tiny, args.inner_steps, args.syncs = True, 10, 2
+    return args
+
+
+def run_modes(args: argparse.Namespace, tau: int, use_netns: bool) -> tuple[list[dict], list[str]]:
+    """Blocking, then streaming, each in fresh namespaces (or on the limiter); the rows and the link shaping."""
     modes = [
-        ("blocking", ["--outer-steps", str(syncs), "--fragments", "1", "--overlap-steps", "0"]),
+        ("blocking", ["--outer-steps", str(args.syncs), "--fragments", "1", "--overlap-steps", "0"]),
         (
             "streaming",
-            ["--outer-steps", str(syncs * args.fragments), "--fragments", str(args.fragments)]
+            ["--outer-steps", str(args.syncs * args.fragments), "--fragments", str(args.fragments)]
             + ["--overlap-steps", str(tau)],
         ),
     ]
-    reason = ""
-    if args.link in ("auto", "netns"):
-        permitted, reason = netns_permitted()
-        if not permitted:
-            print(f"network namespaces are not permitted here ({reason}); using the in-process limiter", flush=True)
-            if args.link == "netns":
-                return 2
-    use_netns = args.link != "limiter" and not reason
-    args.out.mkdir(parents=True, exist_ok=True)
     runs = args.out / "utilization-runs"
     rows, shaping = [], []
     for name, flags in modes:
@@ -219,6 +212,22 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(run_mode(name, flags, args, link, runs))
         else:
             rows.append(run_mode(name, flags, args, None, runs))
+    return rows, shaping
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Blocking vs streaming on a shaped link; writes utilization.json and utilization.png."""
+    args = parse_args(argv)
+    tau = args.overlap_steps if args.overlap_steps is not None else args.inner_steps // args.fragments
+    reason = ""
+    if args.link in ("auto", "netns"):
+        permitted, reason = netns_permitted()
+        if not permitted:
+            print(f"network namespaces are not permitted here ({reason}); using the in-process limiter", flush=True)
+            if args.link == "netns":
+                return 2
+    use_netns = args.link != "limiter" and not reason
+    rows, shaping = run_modes(args, tau, use_netns)
     by_mode = {row["mode"]: row for row in rows}
     result = {
         "link": "netns" if use_netns else "limiter",
@@ -230,16 +239,16 @@ def main(argv: list[str] | None = None) -> int:
         "H": args.inner_steps,
         "fragments": args.fragments,
         "overlap_steps": tau,
-        "full_model_syncs": syncs,
+        "full_model_syncs": args.syncs,
         "target": {"streaming": 0.95},
         "rows": rows,
         **provenance("utilization.py", argv),
     }
     name = "utilization-smoke" if args.smoke else "utilization"
-    (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    path = write_result(args.out, name, result)
     plot(rows, args.out / f"{name}.png")
     print(f"link {result['link']}: {shaping or result['link_setup']}")
-    print(f"wrote {args.out / (name + '.json')} and {name}.png")
+    print(f"wrote {path} and {name}.png")
     return 1 if any(code != 0 for row in rows for code in row["exit_codes"]) else 0
 
 

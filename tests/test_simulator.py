@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
+import benchmarks_path  # noqa: F401
 import pytest
+import simulator as sim
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("simulator", REPO / "benchmarks" / "simulator.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["simulator"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load()
 SHORT = sim.Params(days=1.0)
 
 
