@@ -133,6 +133,18 @@ def utilization(data: dict) -> str:
     )
 
 
+def attacks(data: dict) -> str:
+    """One row per attack, and what the defences cost a clean swarm."""
+    from attacks import table
+
+    cost = data["defence_cost"]
+    return (
+        table(data["rows"])
+        + f"\n\nDefences on a clean swarm: {cost['round_s_on']:.2f} s vs {cost['round_s_off']:.2f} s per round "
+        f"(x{cost['slowdown']:.2f}), final eval {cost['eval_on']:.4f} vs {cost['eval_off']:.4f}."
+    )
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("quality", "Quality vs data-parallel", quality),
     ("exchange", "Exchange speed", exchange),
@@ -141,6 +153,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("decoupled", "Decoupled merging with a 3x slower island", decoupled),
     ("bandwidth", "Bandwidth vs data-parallel", bandwidth),
     ("utilization", "Compute utilization on a slow link", utilization),
+    ("attacks", "Attacks on a swarm, defences off and on", attacks),
 ]
 
 

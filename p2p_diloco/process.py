@@ -21,6 +21,17 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
+def ignore_group_stop_signals() -> None:
+    """In a helper process (DHT, averager): leave SIGINT and SIGTERM to the process that owns it.
+
+    Ctrl-C and service managers signal a whole process group; the owner then stops at a safe point and shuts its
+    helpers down through their pipes. A helper that died on the signal first would leave the owner's round hanging.
+    The helper still dies with its owner (`die_with_parent`).
+    """
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def kill_process_tree(pid: int, sig: int = signal.SIGKILL) -> None:
     """Send `sig` to a process and all its descendants (used by launchers and tests)."""
     import psutil

@@ -20,5 +20,8 @@ STAGE_POLL_S = 0.005
 """How often the host reads the averaging stage, which lives in shared memory with no event to wait on."""
 SOCKET_STATS_S = 10.0
 """Bound on one run of `ss` when counting the daemon's TCP bytes."""
+LINGER_S = 1.0
+"""After its last merge an island waits this long before stopping its daemons: p2pd tells nobody when the replies
+it still holds for partners have left the host, and a partner that misses them discards the round."""
 CHILD_STOP_S = 15.0
 """A launcher gives a child this long to stop after SIGTERM before it kills the child's whole session."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import torch
 from exchange_member import member_vector
 
-from p2p_diloco.net.allreduce import StrictPartReducer
+from p2p_diloco.net.reducers import RobustPartReducer, StrictPartReducer
 from p2p_diloco.process import kill_process_tree
 
 MEMBER = Path(__file__).with_name("exchange_member.py")
@@ -22,7 +23,7 @@ MEMBER = Path(__file__).with_name("exchange_member.py")
 
 def test_reducer_averages_parts() -> None:
     async def scenario() -> list[torch.Tensor]:
-        reducer = StrictPartReducer([torch.Size([3])] * 2, num_senders=2)
+        reducer = StrictPartReducer([torch.Size([3])] * 2, [math.inf] * 2, None)
         results = []
         for part in range(2):
             first = asyncio.create_task(reducer.accumulate_part(0, part, torch.full((3,), 1.0), weight=1.0))
@@ -37,7 +38,7 @@ def test_reducer_averages_parts() -> None:
 
 def test_reducer_poisons_parts_after_a_sender_fails_midway() -> None:
     async def scenario() -> tuple[torch.Tensor, torch.Tensor]:
-        reducer = StrictPartReducer([torch.Size([2])] * 2, num_senders=2)
+        reducer = StrictPartReducer([torch.Size([2])] * 2, [math.inf] * 2, None)
         first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(2)))
         await reducer.accumulate_part(1, 0, torch.ones(2) * 3)
         part0 = (await first).clone()
@@ -53,13 +54,34 @@ def test_reducer_poisons_parts_after_a_sender_fails_midway() -> None:
 
 def test_reducer_keeps_results_when_a_sender_fails_after_sending_everything() -> None:
     async def scenario() -> torch.Tensor:
-        reducer = StrictPartReducer([torch.Size([2])], num_senders=2)
+        reducer = StrictPartReducer([torch.Size([2])], [math.inf] * 2, None)
         first = asyncio.create_task(reducer.accumulate_part(0, 0, torch.ones(2)))
         await reducer.accumulate_part(1, 0, torch.ones(2) * 3)
         reducer.on_sender_failed(1)
         return (await first).clone()
 
     torch.testing.assert_close(asyncio.run(scenario()), torch.full((2,), 2.0))
+
+
+def test_reducers_cap_declared_weights_and_a_robust_one_drops_a_nan_sender() -> None:
+    flagged = []
+
+    async def scenario(make) -> torch.Tensor:
+        reducer = make()
+        parts = [torch.full((4,), 1.0), torch.full((4,), 3.0), torch.full((4,), 5.0)]
+        parts[2][0] = float("nan")
+        tasks = [
+            asyncio.create_task(reducer.accumulate_part(i, 0, part, weight=w))
+            for i, (part, w) in enumerate(zip(parts, [1.0, 1e9, 1.0]))
+        ]
+        return (await asyncio.gather(*tasks))[0].clone()
+
+    strict = asyncio.run(scenario(lambda: StrictPartReducer([torch.Size([4])], [math.inf, 1.0, math.inf], None)))
+    assert torch.isnan(strict).any()  # the plain mean: one NaN value, and every member discards the round
+    shapes, caps = [torch.Size([4])], [math.inf, 1.0, math.inf]
+    robust = lambda: RobustPartReducer("none", shapes, caps, lambda i, why: flagged.append(i))  # noqa: E731
+    torch.testing.assert_close(asyncio.run(scenario(robust)), torch.full((4,), 2.0))  # (1 + 3) / 2: capped, dropped
+    assert sorted(flagged) == [1, 2]
 
 
 class Members:
@@ -153,16 +175,17 @@ def test_group_gets_the_exact_mean_with_identical_bits(members: Members) -> None
     assert all(result["restored"] for result in results if result["merged"] is None)
 
 
-def test_group_applies_the_staleness_rule_against_its_newest_member(members: Members) -> None:
-    # Steps 10, 9 and 4 with max_staleness 3 and discount 0.5: weights 1, 0.5 and 0 (rejected), computed
-    # alike by every member although the stale one's own view of the swarm said it was current.
+def test_group_applies_the_staleness_rule_against_its_robust_clock(members: Members) -> None:
+    # Steps 10, 9 and 4 with max_staleness 3 and discount 0.5: the group's clock is its 2nd highest step (9, so no
+    # single member sets it): weights 1, 1 and 0 (rejected), computed alike by every member although the stale
+    # one's own view of the swarm said it was current.
     size, seeds, steps = 50_000, [31, 32, 33], [10, 9, 4]
     first = members.start(seeds[0], size, 3, [], "--outer-step", str(steps[0]))
     for seed, step in zip(seeds[1:], steps[1:]):
         members.start(seed, size, 3, [first.maddr], "--outer-step", str(step))
     members.go()
     results = [members.result(process) for process in members.processes]
-    expected = (member_vector(seeds[0], size) + 0.5 * member_vector(seeds[1], size)) / 1.5
+    expected = (member_vector(seeds[0], size) + member_vector(seeds[1], size)) / 2
     merged = [result["merged"] for result in results if result["merged"] is not None]
     assert len(merged) >= 2, results
     for result in merged:

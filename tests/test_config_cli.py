@@ -34,7 +34,7 @@ def test_defaults():
     assert config.train.inner_steps == 50 and config.train.outer_lr == 0.7 and config.train.outer_momentum == 0.9
     assert config.network.run_id == "p2p-diloco"
     assert config.network.initial_peers == []
-    assert config.network.host_maddrs == ["/ip4/127.0.0.1/tcp/0"]
+    assert config.network.host_maddrs == ["/ip4/0.0.0.0/tcp/0"]
     assert config.data.path is None and config.metrics is None
     # Mutable defaults are not shared between instances.
     config.network.initial_peers.append("x")
@@ -402,3 +402,118 @@ def test_peer_with_unknown_swarm_exits_2(swarms_path, monkeypatch, capsys):
     assert main(["peer", "--swarm", "nope"]) == EXIT_BAD_INPUT
     line = one_error_line(capsys)
     assert "'nope'" in line and "demo" in line
+
+
+def test_a_swarm_entry_resolves_paths_against_its_list_and_carries_network_options(tmp_path, monkeypatch):
+    folder = tmp_path / "registry"
+    write(folder / "configs" / "small.toml", "[train]\ninner_steps = 7\n")
+    path = write(
+        folder / "swarms.toml",
+        f"""
+[swarms.small]
+run_id = "small-run"
+config = "configs/small.toml"
+initial_peers = ["{GOOD_MADDR}"]
+[swarms.small.network]
+relay = "only"
+client_mode = "on"
+""",
+    )
+    monkeypatch.chdir(tmp_path)  # the entry's path must not depend on where the user stands
+    overrides, config_path = resolve_swarm("small", path)
+    assert Path(config_path) == (folder / "configs" / "small.toml").resolve()
+    config = load_config(config_path, overrides)
+    assert config.train.inner_steps == 7 and config.network.relay == "only" and config.network.client_mode == "on"
+    assert swarms_file(str(path)) == path  # --swarms-file wins over the environment and ./bootstrap/
+
+
+def test_a_swarm_entry_with_a_bad_path_or_option_is_one_line(tmp_path, capsys):
+    path = write(
+        tmp_path / "swarms.toml",
+        f"""
+[swarms.broken]
+config = "nowhere/peer.toml"
+initial_peers = ["{GOOD_MADDR}"]
+[swarms.typo]
+initial_peers = ["{GOOD_MADDR}"]
+[swarms.typo.network]
+relays = "auto"
+[swarms.extra]
+initial_peers = ["{GOOD_MADDR}"]
+confg = "x.toml"
+""",
+    )
+    assert main(["peer", "--swarm", "broken", "--swarms-file", str(path)]) == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert "config nowhere/peer.toml does not exist" in line and "relative to the swarm list's folder" in line
+    with pytest.raises(SwarmListError, match=r"\[network\] options must be among"):
+        resolve_swarm("typo", path)
+    with pytest.raises(SwarmListError, match=r"unknown keys \['confg'\]"):
+        resolve_swarm("extra", path)
+
+
+def test_swarms_command_lists_the_registry(tmp_path, capsys, swarms_path):
+    assert main(["swarms", "--swarms-file", str(swarms_path)]) == 0
+    out = capsys.readouterr().out
+    assert "demo: run demo-run, 1 initial peers" in out and "other: run other" in out
+
+
+def test_status_without_a_target_is_one_line(capsys):
+    assert main(["status"]) == EXIT_BAD_INPUT
+    assert "pass --initial-peers MADDR" in one_error_line(capsys)
+    assert main(["status", "--initial-peers", GOOD_MADDR]) == EXIT_BAD_INPUT
+    assert "pass --run-id RUN" in one_error_line(capsys)
+
+
+def test_new_network_choices_are_checked():
+    with pytest.raises(ConfigError, match="network.relay must be one of auto, off, only; got 'sometimes'"):
+        load_config(overrides={"network.relay": "sometimes"})
+    with pytest.raises(ConfigError, match="network.client_mode must be one of auto, on, off"):
+        load_config(overrides={"network.client_mode": "yes"})
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--lr", "nan"], "must be a finite number"),
+        (["--outer-lr", "-1"], "train.outer_lr=-1.0 must be a positive learning rate"),
+        (["--batch-size", "8.7"], "must be a whole number"),
+        (["--dynamic-steps", "maybe"], "must be true or false"),
+        (["--relay", "sometimes"], "network.relay must be one of"),
+        (["--membership", "nowhere.token"], "--membership nowhere.token does not exist"),
+    ],
+)
+def test_bad_values_are_one_line_errors(argv, expected, capsys):
+    assert main(["peer", "--solo", "true", *argv]) == EXIT_BAD_INPUT
+    assert expected in one_error_line(capsys)
+
+
+def test_bad_paths_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("x")
+    assert main(["peer", "--solo", "true", "--metrics", str(tmp_path)]) == EXIT_BAD_INPUT
+    assert "is a folder" in one_error_line(capsys)
+    assert main(["peer", "--solo", "true", "--checkpoint-dir", str(tmp_path / "a-file")]) == EXIT_BAD_INPUT
+    assert "is a file" in one_error_line(capsys)
+    write(tmp_path / "config.toml", "[train]\nbatch_size = 8.7\n")
+    assert main(["peer", "--solo", "true", "--config", str(tmp_path / "config.toml")]) == EXIT_BAD_INPUT
+    assert "'batch_size'" in one_error_line(capsys)
+
+
+def test_binary_data_is_refused(tmp_path, capsys):
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 100)
+    assert main(["peer", "--solo", "true", "--data", str(tmp_path / "blob.bin"), "--outer-steps", "1"]) == 2
+    assert "looks binary" in one_error_line(capsys)
+
+
+def test_an_island_refuses_to_start_over_corrupt_checkpoints(tmp_path, capsys):
+    folder = tmp_path / "ckpt"
+    args = ["peer", "--solo", "true", "--config", str(TINY), "--outer-steps", "2", "--checkpoint-dir", str(folder)]
+    assert main(args) == 0
+    saved = sorted(folder.glob("ckpt-*.pt"))
+    for path in saved:
+        path.write_bytes(b"garbage")
+    assert main([*args, "--outer-steps", "3"]) == EXIT_BAD_INPUT
+    line = one_error_line(capsys)
+    assert "every checkpoint" in line and "--fresh" in line and saved[-1].name in line
+    assert sorted(folder.glob("ckpt-*.pt")) == saved  # nothing was deleted
+    assert main([*args, "--outer-steps", "3", "--fresh", "true"]) == 0

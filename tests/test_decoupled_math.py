@@ -17,7 +17,7 @@ from p2p_diloco.diloco.merge import (
     weighted_mean,
 )
 from p2p_diloco.diloco.outer import OuterOptimizer
-from p2p_diloco.diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock, agreeing, group_weights, own_weight, robust_clock
 
 
 @pytest.fixture(autouse=True)
@@ -402,7 +402,7 @@ def test_dynamic_local_updates_give_slower_islands_fewer_inner_steps() -> None:
     assert island._planned_inner_steps() == 60
 
 
-def test_group_weights_use_the_newest_clock_in_the_group():
+def test_group_weights_use_a_robust_clock_and_cap_declared_weights():
     rule = StalenessRule(max_staleness=2, discount=0.5)
     members = {
         "fresh": {"outer_step": 7, "swarm_step": 7, "base_weight": 2.0},
@@ -410,4 +410,28 @@ def test_group_weights_use_the_newest_clock_in_the_group():
         "slept": {"outer_step": 3, "swarm_step": 3, "base_weight": 1.0},  # its own view said it was current
         "knows": {"outer_step": 7, "swarm_step": 8, "base_weight": 1.0},  # the DHT told it of step 8
     }
-    assert group_weights(members, rule) == {"fresh": 1.0, "behind": 1.0, "slept": 0.0, "knows": 0.5}
+    # clock: the 2nd highest claim of 4 (8, 7, 6, 3) = 7; cap: 2 x the lower median base weight (1.0) = 2.0
+    assert group_weights(members, rule) == {"fresh": 2.0, "behind": 1.0, "slept": 0.0, "knows": 1.0}
+    liar = {**members, "liar": {"outer_step": 7, "swarm_step": 10**6, "base_weight": 1e12}}
+    assert group_weights(liar, rule)["liar"] == 4.0 and group_weights(liar, rule)["fresh"] == 2.0  # 2 x median
+
+
+def test_robust_clock_needs_more_than_one_island_to_move():
+    assert robust_clock([]) == 0 and robust_clock([5]) == 5
+    assert robust_clock([10**9, 8]) == 8 and robust_clock([10**9, 8, 8]) == 8 and robust_clock([10**9, 9, 8, 7]) == 9
+    assert [agreeing(n) for n in range(1, 9)] == [1, 2, 2, 2, 3, 3, 3, 4]
+
+
+def test_an_island_that_slept_drops_itself_but_an_impossible_claim_is_ignored():
+    rule = StalenessRule(max_staleness=2, discount=0.5)
+    now = 1000.0
+    slept = {"outer_step": 3, "swarm_step": 3, "base_weight": 1.0, "ready": now - 60, "round_s": 2.0}
+    fresh = {"outer_step": 9, "swarm_step": 9, "base_weight": 1.0, "ready": now, "round_s": 2.0}
+    assert own_weight("slept", {"slept": slept, "fresh": fresh}, rule, now) == 0.0  # 60 s asleep: 9 is plausible
+    awake = {**slept, "ready": now}
+    liar = {**fresh, "swarm_step": 10**6}
+    assert own_weight("awake", {"awake": awake, "liar": liar}, rule, now) == 1.0  # 10**6 in no time is not
+    clock = SwarmClock()
+    assert clock.update(0, {"a": 57}, now, 2.0) == 57  # a newcomer believes the first view it gets
+    assert clock.update(57, {"liar": 10**9, "a": 58}, now + 2, 2.0) == 58  # then an impossible jump is ignored
+    assert clock.implausible == {"liar": 10**9}

@@ -53,7 +53,7 @@ class FakeExchange:
         self.sent.append((payload.clone(), dict(metadata), weight))
         return self.rounds.pop(0)(payload, metadata)
 
-    def load_state(self, timeout: float, peers=None):
+    def load_state(self, timeout: float, peers=None, **checks):
         self.downloads.append(peers)
         return self.states.pop(0)() if self.states else None
 
@@ -169,8 +169,13 @@ def test_a_too_stale_island_with_no_newer_donor_applies_its_own_update(tmp_path:
 
 
 def test_the_group_rejects_a_stale_island_that_then_catches_up(tmp_path: Path) -> None:
-    # Our view said we were current, but a partner knows the swarm is 6 steps ahead: the group gives us weight 0.
-    exchange = FakeExchange([merged_with(lambda payload: payload, swarm_step=6, outer_step=6)])
+    # Our view said we were current, but we were frozen for two minutes in matchmaking (our `ready` is that old)
+    # and a partner knows the swarm is 6 steps ahead: that is plausible, so we give ourselves weight 0.
+    def frozen_then_merged(payload, metadata):
+        metadata["ready"] -= 120
+        return merged_with(lambda values: values, swarm_step=6, outer_step=6)(payload, metadata)
+
+    exchange = FakeExchange([frozen_then_merged])
     node = island(tmp_path, exchange, FakeRecords())
     exchange.states = [lambda: None, lambda: donor_state(node, 7)]
     (record,) = run(node)

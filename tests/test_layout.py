@@ -20,7 +20,7 @@ LAYERS = {
     "island": {"diloco", "train", "net"},
     "cli": {"diloco", "train", "net", "island"},
 }
-TOP_LEVEL = {"config", "errors", "files", "process", "timeouts"}
+TOP_LEVEL = {"config", "errors", "files", "process", "signals", "timeouts"}
 """Modules at the top of the package that every layer may use; they import no layer but `diloco`."""
 
 

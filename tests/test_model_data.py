@@ -169,7 +169,7 @@ def test_shards_are_equal_disjoint_and_eval_is_the_tail():
 
 def test_load_shards_uses_config(tmp_path):
     file = tmp_path / "t.txt"
-    file.write_bytes(bytes(range(256)) * 4)
+    file.write_bytes(bytes(range(1, 201)) * 5)
     shards = load_shards(DataConfig(path=str(file), eval_fraction=0.25, max_bytes=800))
     assert len(shards.train) == 600 and len(shards.eval) == 200
 

@@ -29,6 +29,9 @@ def peer_config_args(settings: dict) -> list[str]:
         str(settings["outer_lr"]),
         "--outer-momentum",
         str(settings["outer_momentum"]),
+        # Trusted islands measure the algorithm: the plain mean, as in the DiLoCo papers and the reference.
+        "--robust-merge",
+        "none",
     ]
     if settings["config"]:
         args = ["--config", settings["config"], *args]

@@ -7,16 +7,22 @@ import sys
 from typing import Any
 
 from p2p_diloco.cli.logs import setup_logging
-from p2p_diloco.config import ConfigError, tomllib
+from p2p_diloco.config import LISTEN_EVERYWHERE, ConfigError, tomllib
 from p2p_diloco.errors import UserError
 
 BOOTSTRAP_DEFAULTS = {
     "identity": None,
-    "host_maddrs": ["/ip4/127.0.0.1/tcp/0"],
+    "host_maddrs": list(LISTEN_EVERYWHERE),
     "announce_maddrs": [],
     "initial_peers": [],
     "maddrs_file": None,
     "run_id": "p2p-diloco",
+    "relay": True,
+    "relay_port": 0,
+    "relay_max_islands": 64,
+    "peers_file": None,
+    "swarm_public_key": None,
+    "membership": None,
 }
 """Settings of a bootstrap, overridden by its --config file, then by flags."""
 
@@ -26,11 +32,24 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     bootstrap = commands.add_parser("bootstrap", help="run a DHT node that trains nothing and lets peers meet")
     bootstrap.add_argument("--config", help="TOML bootstrap configuration, e.g. bootstrap/bootstrap.toml")
     bootstrap.add_argument("--identity", help="key file for a stable peer id (created if missing)")
-    bootstrap.add_argument("--host-maddrs", nargs="+", help="listen addresses (default /ip4/127.0.0.1/tcp/0)")
+    bootstrap.add_argument("--host-maddrs", nargs="+", help=f"listen addresses (default {' '.join(LISTEN_EVERYWHERE)})")
     bootstrap.add_argument("--announce-maddrs", nargs="+", help="addresses peers should dial")
     bootstrap.add_argument("--initial-peers", nargs="+", help="other bootstraps or live peers")
     bootstrap.add_argument("--maddrs-file", help="also write the multiaddrs here, one per line, once reachable")
-    bootstrap.add_argument("--run-id", help="run id shown in the printed peer command")
+    bootstrap.add_argument("--run-id", help="run id shown in the printed peer command (default p2p-diloco)")
+    bootstrap.add_argument(
+        "--relay",
+        type=lambda text: text.lower() in ("1", "true", "yes", "on"),
+        metavar="true|false",
+        help="relay for islands that nothing can dial, e.g. behind NATs (default true)",
+    )
+    bootstrap.add_argument("--relay-port", type=int, help="TCP port of the relay's control connection (default: any)")
+    bootstrap.add_argument("--relay-max-islands", type=int, help="islands relayed at once (default 64)")
+    bootstrap.add_argument(
+        "--peers-file", help="keep the multiaddrs of live islands here and rejoin through them after a restart"
+    )
+    bootstrap.add_argument("--swarm-public-key", help="a private swarm's owner public key (ed25519:...)")
+    bootstrap.add_argument("--membership", help="this bootstrap's membership token (for its --identity)")
     bootstrap.add_argument("--join-timeout", type=float, default=30.0, help="seconds to reach --initial-peers")
     bootstrap.add_argument("--log-level", default="INFO")
 

@@ -44,9 +44,20 @@ def config_fields() -> list[tuple[str, dataclasses.Field, str]]:
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """One flag per config field (e.g. --inner-steps for train.inner_steps)."""
+    defaults = PeerConfig()
     for dotted, field, help_text in config_fields():
         flag = "--" + FLAG_ALIASES.get(dotted, dotted.split(".")[-1]).replace("_", "-")
-        kwargs: dict[str, Any] = {"dest": dotted, "default": None, "help": help_text}
+        default = defaults
+        for part in dotted.split("."):
+            default = getattr(default, part)
+        shown = " ".join(map(str, default)) if isinstance(default, list) else default
+        help_text = f"{' '.join(help_text.split())} (default: {shown if shown not in ('', None) else 'none'})"
+        kwargs: dict[str, Any] = {
+            "dest": dotted,
+            "default": None,
+            "help": help_text.replace("%", "%%"),
+            "metavar": dotted.split(".")[-1].upper(),
+        }
         if str(field.type).startswith("list"):
             kwargs["nargs"] = "+"
         parser.add_argument(flag, **kwargs)

@@ -27,15 +27,19 @@ def _child_setup() -> None:
 
 
 def spawn(
-    args: list[str], log_path: Path | None = None, command_prefix: Sequence[str] = (), **kwargs
+    args: list[str],
+    log_path: Path | None = None,
+    command_prefix: Sequence[str] = (),
+    program: Sequence[str] = ("-m", "p2p_diloco"),
+    **kwargs,
 ) -> subprocess.Popen:
-    """Start `python -m p2p_diloco ARGS` in its own session, dying with this process.
+    """Start `python -m p2p_diloco ARGS` (or `python PROGRAM ARGS`) in its own session, dying with this process.
 
     Its output goes to `log_path` when given (else wherever `stdout=`/`stderr=` say).
     """
     stdout = open(log_path, "w") if log_path is not None else kwargs.pop("stdout", None)  # noqa: SIM115
     return subprocess.Popen(
-        [*command_prefix, sys.executable, "-m", "p2p_diloco", *args],
+        [*command_prefix, sys.executable, *program, *args],
         stdout=stdout,
         stderr=subprocess.STDOUT if log_path is not None else kwargs.pop("stderr", None),
         start_new_session=True,
@@ -61,12 +65,16 @@ def stop(process: subprocess.Popen, grace: float = CHILD_STOP_S) -> None:
 
 
 def read_bootstrap_maddrs(process: subprocess.Popen) -> list[str]:
-    """The multiaddrs a starting bootstrap prints on its (text) stdout; stops it if it prints none."""
+    """The multiaddrs a starting bootstrap prints on its (text) stdout; stops it if it prints none.
+
+    The line it prints for peers to paste is kept as `process.join_line`.
+    """
     maddrs = []
     for line in process.stdout:
         if line.startswith("MADDR "):
             maddrs.append(line.split()[1])
-        if line.startswith("Start peers with"):
+        if line.strip().startswith("p2p-diloco peer --initial-peers"):
+            process.join_line = line.strip()
             break
     if not maddrs:
         stop(process)
@@ -77,15 +85,16 @@ def read_bootstrap_maddrs(process: subprocess.Popen) -> list[str]:
 def start_bootstrap(
     out: Path,
     run_id: str = "local-swarm",
-    host: str = "127.0.0.1",
+    host: str | None = "127.0.0.1",
     command_prefix: Sequence[str] = (),
     extra_args: Sequence[str] = (),
 ) -> tuple[subprocess.Popen, list[str]]:
-    """Start a bootstrap listening on `host` and return it with its multiaddrs, read from its output."""
+    """Start a bootstrap listening on `host` (None: its defaults) and return it with the multiaddrs it prints."""
     out.mkdir(parents=True, exist_ok=True)
-    args = ["bootstrap", "--host-maddrs", f"/ip4/{host}/tcp/0", "--run-id", run_id]
+    args = ["bootstrap", "--run-id", run_id] + ([] if host is None else ["--host-maddrs", f"/ip4/{host}/tcp/0"])
     args += ["--maddrs-file", str(out / "bootstrap.maddrs"), *extra_args]
-    process = spawn(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, command_prefix=command_prefix)
+    with open(out / "bootstrap.log", "a") as log:  # its logs; stdout carries the multiaddrs it prints
+        process = spawn(args, stdout=subprocess.PIPE, stderr=log, text=True, command_prefix=command_prefix)
     return process, read_bootstrap_maddrs(process)
 
 
@@ -141,11 +150,12 @@ class LocalSwarm:
         self.maddrs: list[str] = []
 
     def bootstrap(
-        self, *, host: str = "127.0.0.1", command_prefix: Sequence[str] = (), extra_args: Sequence[str] = ()
+        self, *, host: str | None = "127.0.0.1", command_prefix: Sequence[str] = (), extra_args: Sequence[str] = ()
     ) -> list[str]:
         """Start the bootstrap; return its multiaddrs."""
         process, self.maddrs = start_bootstrap(self.folder, self.run_id, host, command_prefix, extra_args)
         self.children.append(process)
+        self.bootstrap_process = process
         return self.maddrs
 
     def peer(
@@ -157,11 +167,15 @@ class LocalSwarm:
         command_prefix: Sequence[str] = (),
         fresh_metrics: bool = False,
         checkpoints: bool = True,
+        host: str | None = "127.0.0.1",
+        program: Sequence[str] | None = None,
     ) -> PeerProcess:
         """Start one island named `name`; by default it joins this swarm's bootstrap with this swarm's run id.
 
         It writes `NAME.jsonl` (appended to across restarts unless `fresh_metrics`), `NAME.log` and, with
-        `checkpoints`, checkpoints in `NAME-ckpt/`; `args` are more `p2p-diloco peer` flags.
+        `checkpoints`, checkpoints in `NAME-ckpt/`; `args` are more `p2p-diloco peer` flags. It listens on
+        `host` (a local swarm stays on 127.0.0.1), or on the island's defaults for None. `program` runs another
+        script instead of `p2p-diloco peer` (given the same flags), e.g. a test's hostile island.
         """
         metrics = self.folder / f"{name}.jsonl"
         if fresh_metrics:
@@ -176,7 +190,12 @@ class LocalSwarm:
             command += ["--initial-peers", *self.maddrs]
         if "--run-id" not in args:
             command += ["--run-id", self.run_id]
+        if host is not None and "--host-maddrs" not in args:
+            command += ["--host-maddrs", f"/ip4/{host}/tcp/0"]
         command += list(args)
+        if program is not None:
+            command = [*program[1:], *command[1:]]
+            return self._start(name, command, command_prefix, metrics, checkpoint_dir, (program[0],))
         return self._start(name, command, command_prefix, metrics, checkpoint_dir)
 
     def restart(self, name: str) -> PeerProcess:
@@ -185,12 +204,18 @@ class LocalSwarm:
         return self._start(name, old.args, old.command_prefix, old.metrics, old.checkpoint_dir)
 
     def _start(
-        self, name: str, command: list[str], prefix: Sequence[str], metrics: Path, checkpoint_dir: Path
+        self,
+        name: str,
+        command: list[str],
+        prefix: Sequence[str],
+        metrics: Path,
+        checkpoint_dir: Path,
+        program: Sequence[str] = ("-m", "p2p_diloco"),
     ) -> PeerProcess:
         log = self.folder / f"{name}.log"
         if name in self.peers:  # a restart: keep the earlier log
             log = self.folder / f"{name}.log.{int(time.monotonic() * 1000)}"
-        process = spawn(command, log_path=log, command_prefix=prefix)
+        process = spawn(command, log_path=log, command_prefix=prefix, program=program)
         self.children.append(process)
         self.peers[name] = PeerProcess(name, process, metrics, log, checkpoint_dir, command, prefix)
         return self.peers[name]

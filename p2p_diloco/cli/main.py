@@ -1,15 +1,23 @@
-"""The `p2p-diloco` command: bootstrap, peer and swarm. It only parses configuration and starts things."""
+"""The `p2p-diloco` command: bootstrap, peer, swarm, status, swarms, dashboard. It parses and starts things."""
 
 from __future__ import annotations
 
 import argparse
 
-from p2p_diloco.cli import bootstrap, peer, swarm
+from p2p_diloco.cli import bootstrap, dashboard, keys, peer, status, swarm
 from p2p_diloco.errors import EXIT_BAD_INPUT, EXIT_NETWORK
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_NETWORK", "build_parser", "main"]
 
-COMMANDS = {"bootstrap": bootstrap, "peer": peer, "swarm": swarm}
+COMMANDS = {
+    "bootstrap": bootstrap,
+    "peer": peer,
+    "swarm": swarm,
+    "status": status,
+    "swarms": status,
+    "dashboard": dashboard,
+    "keys": keys,
+}
 """Each command's module: `add_parser(subparsers)` and `run(args) -> exit code`."""
 
 
@@ -17,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    for module in COMMANDS.values():
+    for module in dict.fromkeys(COMMANDS.values()):
         module.add_parser(commands)
     return parser
 

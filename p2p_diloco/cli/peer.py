@@ -3,35 +3,40 @@
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 
 from p2p_diloco.cli.flags import add_config_flags, overrides
 from p2p_diloco.cli.logs import setup_logging
 from p2p_diloco.config import load_config
 from p2p_diloco.errors import UserError
+from p2p_diloco.signals import GracefulStop, Stopped
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     """The `peer` subcommand and its flags (one per config field)."""
     peer = commands.add_parser("peer", help="start an island that trains with the swarm")
     peer.add_argument("--config", help="TOML peer configuration, e.g. peers/tiny.toml")
-    peer.add_argument("--swarm", help="join a swarm listed in bootstrap/swarms.toml by name")
+    peer.add_argument("--swarm", help="join a swarm of the list of known swarms by name")
+    peer.add_argument(
+        "--swarms-file",
+        help="the list of known swarms (default: $P2P_DILOCO_SWARMS, then ./bootstrap/swarms.toml, then the list "
+        "that ships with p2p-diloco)",
+    )
     add_config_flags(peer)
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate the configuration, then train until the run's last outer step."""
-    from p2p_diloco.cli.known_swarms import resolve_swarm
+    from p2p_diloco.cli.known_swarms import resolve_swarm, swarms_file
     from p2p_diloco.net.maddrs import validate_maddrs
 
     try:
         given, config_path = overrides(args), args.config
         if args.swarm:
-            swarm_overrides, swarm_config = resolve_swarm(args.swarm)
+            swarm_overrides, swarm_config = resolve_swarm(args.swarm, swarms_file(args.swarms_file))
             given, config_path = {**swarm_overrides, **given}, config_path or swarm_config
         config = load_config(config_path, given)
-        if not config.network.initial_peers:
+        if not config.network.initial_peers and not config.network.solo:
             print("p2p-diloco peer: no --initial-peers: starting a new swarm of one", file=sys.stderr)
         validate_maddrs(config.network.initial_peers, need_peer_id=True)
         validate_maddrs(config.network.host_maddrs + config.network.announce_maddrs, need_peer_id=False)
@@ -39,15 +44,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
         return error.exit_code
     setup_logging(config.log_level)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from p2p_diloco.island.island import Island
-
+    stop = GracefulStop("p2p-diloco peer").install()
     try:
-        Island(config).run()
+        from p2p_diloco.island.island import Island
+
+        Island(config, stop=stop).run()
     except UserError as error:
         print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
         return error.exit_code
-    except KeyboardInterrupt:
-        print("p2p-diloco peer: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    except Stopped as stopped:
+        print(f"p2p-diloco peer: stopped by {stopped} before training started", file=sys.stderr)
+        return stopped.exit_code
+    if stop.requested:
+        print(f"p2p-diloco peer: stopped by {stop.name}; the last checkpoint is kept", file=sys.stderr)
+    return stop.exit_code

@@ -33,6 +33,17 @@ def make_inner_optimizer(
     return optimizer, scheduler
 
 
+def dynamic_inner_steps(
+    steps: int, step_time_s: float | None, others_step_time_s: list[float | None], *, enabled: bool = True
+) -> int:
+    """Dynamic local updates (Liu et al. 2024): floor(speed / fastest speed * H), so slow islands arrive with the
+    rest; H when disabled or until this island has timed a step."""
+    if not enabled or not step_time_s:
+        return steps
+    times = [t for t in others_step_time_s if isinstance(t, (int, float)) and t > 0] + [step_time_s]
+    return max(1, int(steps * min(times) / step_time_s))
+
+
 @dataclass
 class InnerResult:
     """What a run of inner steps did."""
@@ -56,11 +67,13 @@ def run_inner_steps(
     loss_function: LossFunction = default_loss,
     after_backward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     slowdown: float = 1.0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> InnerResult:
     """Run `steps` local optimizer steps and return their losses.
 
     `after_backward(loss)` runs between backward and the optimizer step and returns the loss to record (a
-    data-parallel baseline all-reduces the gradients there); `slowdown` > 1 stretches each step (experiments).
+    data-parallel baseline all-reduces the gradients there); `slowdown` > 1 stretches each step (experiments);
+    `should_stop()` is asked before each step and ends the run early when it says so.
     """
     if steps <= 0:
         return InnerResult([], 0, 0.0)
@@ -68,6 +81,8 @@ def run_inner_steps(
     losses, tokens = [], 0
     start = time.monotonic()
     for _ in range(steps):
+        if should_stop is not None and should_stop():
+            break
         step_start = time.monotonic()
         inputs, targets = next_batch()
         loss = loss_function(model, inputs, targets)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,17 +31,116 @@ class StalenessRule:
         return self.discount**staleness
 
 
-def group_weights(members: Mapping[K, Mapping[str, Any]], rule: StalenessRule) -> dict[K, float]:
-    """Each group member's merge weight: its base weight times the rule's factor against the group's clock.
+WEIGHT_CAP = 2.0
+"""No member's weight may exceed this multiple of the group's lower median weight (claims cannot buy a merge)."""
 
-    The clock is the newest outer step any member knows of (its own or the swarm's, read from the DHT), so a
-    member that slept through several rounds and joins a newer group is discounted or rejected (weight 0) by
-    everyone alike, even when its own view of the swarm was stale. Every member computes the same weights from
-    the same gathered metadata, which keeps the merge bit-identical across the group.
+
+def agreeing(count: int) -> int:
+    """K: how many distinct islands must have reached a step for it to count as the clock (1 of 1, 2 of 2-4, ...)."""
+    return 1 if count <= 1 else 1 + math.ceil((count - 1) / 3)
+
+
+def robust_clock(claims: Sequence[int]) -> int:
+    """The K-th highest of the claimed steps: one island's claim never sets the clock for the others."""
+    if not claims:
+        return 0
+    ordered = sorted(claims, reverse=True)
+    return ordered[agreeing(len(ordered)) - 1]
+
+
+def plausible_limit(view_step: int, view_age_s: float, round_s: float) -> int:
+    """The highest step the swarm can have reached `view_age_s` after a view at `view_step`, if no island can finish
+    a round faster than a quarter of `round_s`: a claim beyond it is impossible and ignored."""
+    return view_step + 1 + int(max(0.0, view_age_s) / max(round_s / 4, 0.05))
+
+
+def _claim(member: Mapping[str, Any]) -> int:
+    return max(int(member["outer_step"]), int(member.get("swarm_step", member["outer_step"])))
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The median, rounding down to the smaller middle value (for two values: the smaller)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def group_weights(members: Mapping[K, Mapping[str, Any]], rule: StalenessRule) -> dict[K, float]:
+    """The most each group member's contribution may weigh: its base weight, discounted by the staleness rule
+    against the group's robust clock, capped at WEIGHT_CAP times the lower median base weight.
+
+    Every member computes the same bounds from the same gathered metadata, and every reducer applies them to what
+    senders declare, so a member cannot buy the merge by claiming a large weight or a far-ahead clock.
     """
-    clock = max(max(int(m["outer_step"]), int(m.get("swarm_step", m["outer_step"]))) for m in members.values())
+    clock = robust_clock([_claim(m) for m in members.values()])
+    bases = {key: max(0.0, float(m["base_weight"])) for key, m in members.items()}
+    if not all(math.isfinite(base) for base in bases.values()):
+        raise ValueError("a member declared a non-finite weight")
+    cap = WEIGHT_CAP * lower_median(list(bases.values())) if len(bases) > 1 else math.inf
     weights = {}
     for key, member in members.items():
         factor = rule.factor(clock - int(member["outer_step"]))
-        weights[key] = 0.0 if factor is None else float(member["base_weight"]) * factor
+        weights[key] = 0.0 if factor is None else min(bases[key], cap) * factor
     return weights
+
+
+def weight_claims_over_cap(members: Mapping[K, Mapping[str, Any]]) -> dict[K, tuple[float, float]]:
+    """Members whose declared base weight exceeds the group's cap (`group_weights`): key -> (claimed, cap)."""
+    bases = {key: max(0.0, float(m["base_weight"])) for key, m in members.items()}
+    if len(bases) < 2:
+        return {}
+    cap = WEIGHT_CAP * lower_median(list(bases.values()))
+    return {key: (base, cap) for key, base in bases.items() if base > cap}
+
+
+def own_weight(me: K, members: Mapping[K, Mapping[str, Any]], rule: StalenessRule, now: float) -> float:
+    """This member's own weight: its bound from `group_weights`, or 0 when a partner's plausible claim shows that
+    the swarm moved on while this member's view was stale (e.g. it was frozen in matchmaking).
+
+    `now` is the DHT time; a member's view dates from its `ready` time, and it finishes rounds in about `round_s`.
+    """
+    mine = members[me]
+    if rule.factor(own_clock(me, members, now) - int(mine["outer_step"])) is None:
+        return 0.0
+    return group_weights(members, rule)[me]
+
+
+def own_clock(me: K, members: Mapping[K, Mapping[str, Any]], now: float) -> int:
+    """The newest step a member can believe the group has reached: its own view, or any partner's plausible claim."""
+    limit = claim_limit(members[me], now)
+    return max([_claim(members[me])] + [c for c in map(_claim, members.values()) if c <= limit])
+
+
+def claim_limit(mine: Mapping[str, Any], now: float) -> int:
+    """The highest step a partner can honestly claim, judged from this member's own view and its age."""
+    age = now - float(mine.get("ready", now))
+    return plausible_limit(_claim(mine), age, float(mine.get("round_s", 1.0)))
+
+
+def claimed_step(member: Mapping[str, Any]) -> int:
+    """The newest step a member says it knows of (its own or the swarm's)."""
+    return _claim(member)
+
+
+class SwarmClock:
+    """An island's estimate of the swarm's clock from the run's records.
+
+    Its own step, or the robust clock (K-th highest) of the other islands' claims, whichever is newer; once a clock
+    is known, claims beyond what the swarm can have reached since (`plausible_limit`) are ignored.
+    """
+
+    def __init__(self) -> None:
+        self.value: int | None = None
+        self.time = 0.0
+        self.implausible: dict[Any, int] = {}
+        """Claims the last update ignored or outvoted as impossible, by who made them."""
+
+    def update(self, own: int, others: Mapping[Any, int], now: float, round_s: float) -> int:
+        """Fold in this island's step and the steps the other live islands claim; returns the clock."""
+        claims = dict(others)
+        if self.value is not None:
+            limit = plausible_limit(self.value, now - self.time, round_s)
+            claims = {who: claim for who, claim in claims.items() if claim <= limit}
+        self.value, self.time = max(own, robust_clock(list(claims.values()))), now
+        far = 2 * self.value + 10  # beyond any honest lead: name it even when the robust clock outvoted it
+        self.implausible = {who: claim for who, claim in others.items() if who not in claims or claim > far}
+        return self.value

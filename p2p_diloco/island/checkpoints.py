@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
-from p2p_diloco.config import PeerConfig
+import logging
+import time
+
+from p2p_diloco.config import NetworkConfig, PeerConfig
+from p2p_diloco.diloco.staleness import robust_clock
 from p2p_diloco.island.link import SwarmLink
 from p2p_diloco.island.outer_state import OuterState
+from p2p_diloco.island.resync import Resync
 from p2p_diloco.island.trainer import LocalTrainer
 from p2p_diloco.net.records import ModelMismatchError
-from p2p_diloco.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from p2p_diloco.train.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+    unusable_checkpoints,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_RETRY_S = 2.0
+"""How often a newcomer asks again for the swarm's state while it waits for a donor."""
 
 
 def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: SwarmLink) -> str:
@@ -16,14 +32,18 @@ def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: 
     Returns where the island started, for the log. The model ends up holding the anchor.
     """
     checkpoint = None
-    if config.checkpoint_dir and (path := latest_checkpoint(config.checkpoint_dir)) is not None:
+    if config.checkpoint_dir and not config.fresh:
+        refuse_if_all_corrupt(config.checkpoint_dir)
+    if config.checkpoint_dir and not config.fresh and (path := latest_checkpoint(config.checkpoint_dir)) is not None:
         checkpoint = load_checkpoint(path)
         if checkpoint.get("fingerprint") != state.fingerprint:
             raise ModelMismatchError(
                 f"model mismatch: checkpoint {path} holds model {checkpoint.get('fingerprint')}, "
                 f"the config builds {state.fingerprint}; point --checkpoint-dir elsewhere"
             )
-    swarm = link.exchange.load_state(timeout=config.network.state_timeout) if link.online else None
+    swarm = None
+    if link.online:
+        swarm = swarm_state(link, config.network, Resync(link.exchange, state, timeout=config.network.state_timeout))
     swarm_step = int(swarm[0]["outer_step"]) if swarm else -1
     if checkpoint is not None:
         state.load(checkpoint["outer_tensors"], int(checkpoint["outer_step"]))
@@ -39,9 +59,59 @@ def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: 
     return origin
 
 
-def save(config: PeerConfig, state: OuterState, trainer: LocalTrainer) -> None:
-    """Write a checkpoint of the outer state and local training, every `checkpoint_every` outer steps."""
-    if not config.checkpoint_dir or state.outer_step % config.checkpoint_every:
+def _others(link: SwarmLink) -> dict[str, dict]:
+    """The other islands' verified records (none if the DHT does not answer: they only bound the wait)."""
+    try:
+        return {peer: info for peer, info in link.records.read().items() if peer != link.peer_id}
+    except Exception:
+        return {}
+
+
+def refuse_if_all_corrupt(directory: str) -> None:
+    """Refuse to start (and so to prune them) when the folder holds checkpoints and every one is corrupt."""
+    if latest_checkpoint(directory) is not None:
+        return
+    corrupt = unusable_checkpoints(directory)
+    if corrupt:
+        names = ", ".join(path.name for path in corrupt)
+        raise CheckpointError(
+            f"every checkpoint in {directory} is corrupt ({names}); nothing was deleted: pass --fresh to start over "
+            "(they are then replaced), or point --checkpoint-dir elsewhere"
+        )
+
+
+def swarm_state(link: SwarmLink, network: NetworkConfig, resync: Resync) -> tuple[dict, list] | None:
+    """The swarm's current state from a donor; while the run's records show islands past step 0 but no donor
+    answers, keep asking for up to `state_wait_s` (a donor may be restarting), rather than start a second swarm."""
+    deadline = time.monotonic() + network.state_wait_s
+    waiting = False
+    while True:
+        others = _others(link)
+        steps = [info["outer_step"] for info in others.values()]
+        state = resync.download(max_step=robust_clock(steps) + 1 if steps else None)
+        if state is not None:
+            return state
+        newest = robust_clock(steps)
+        if newest <= 0:
+            return None
+        if time.monotonic() >= deadline:
+            logger.warning(
+                f"the run's records show {len(others)} islands (newest at outer step {newest}) but no state donor "
+                f"answered in {network.state_wait_s:.0f}s; starting on our own and catching up when one answers"
+            )
+            return None
+        if not waiting:
+            logger.info(
+                f"the run's records show {len(others)} islands (newest at outer step {newest}) but no state donor "
+                f"answered yet; retrying for up to {network.state_wait_s:.0f}s"
+            )
+            waiting = True
+        time.sleep(STATE_RETRY_S)  # a donor re-announces itself every declare_state_period; poll until then
+
+
+def save(config: PeerConfig, state: OuterState, trainer: LocalTrainer, *, now: bool = False) -> None:
+    """Write a checkpoint of the outer state and local training, every `checkpoint_every` outer steps (or `now`)."""
+    if not config.checkpoint_dir or (state.outer_step % config.checkpoint_every and not now):
         return
     with state.lock:
         snapshot = {**state.checkpoint(), **trainer.state_dict()}

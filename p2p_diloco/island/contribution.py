@@ -12,17 +12,25 @@ import logging
 from typing import Any
 
 import torch
+from hivemind.utils import get_dht_time
 
+from p2p_diloco.config import NetworkConfig
 from p2p_diloco.diloco.error_feedback import ErrorFeedback
 from p2p_diloco.diloco.fragments import Fragment
-from p2p_diloco.diloco.merge import is_finite, rda_decode, rda_encode
+from p2p_diloco.diloco.merge import contribution_weight, is_finite, rda_decode, rda_encode
 from p2p_diloco.diloco.quantize import quantizer
-from p2p_diloco.diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.diloco.staleness import StalenessRule, group_weights, own_clock, own_weight
 from p2p_diloco.island.rounds import Verdict
 from p2p_diloco.net.codecs import describe_strangers, strangers
 from p2p_diloco.net.exchange import ExchangeResult
 
 logger = logging.getLogger(__name__)
+
+
+def round_metadata(*, network: NetworkConfig, tokens: int, steps: int, **fields: Any) -> dict[str, Any]:
+    """The metadata a contribution travels with: who, where, how much work, and its weight under the merge rule."""
+    base_weight = contribution_weight(network.merge, tokens, steps)
+    return {**fields, "codec": network.codec, "tokens": tokens, "steps": steps, "base_weight": base_weight}
 
 
 class Contribution:
@@ -81,13 +89,13 @@ class Contribution:
         members = {self.peer_id: self.metadata, **result.partners}
         try:
             weights = group_weights(members, self.staleness_rule)
+            mine = own_weight(self.peer_id, members, self.staleness_rule, get_dht_time())
         except (KeyError, TypeError, ValueError):
-            weights = {}  # an island of another kind: the agreement check below discards the round
-        if weights.get(self.peer_id) == 0.0:
-            # Our view of the swarm was older than the group's (e.g. we were stalled): the group has already
-            # given our contribution weight 0, so catch up instead of applying its merge.
-            clock = max(int(m.get("swarm_step", m.get("outer_step", 0))) for m in members.values())
-            stale_by = clock - int(self.metadata["outer_step"])
+            weights, mine = {}, None  # an island of another kind: the agreement check below discards the round
+        if mine == 0.0:
+            # Our view of the swarm was older than the group's (e.g. we were stalled): we sent weight 0, so catch
+            # up instead of applying its merge.
+            stale_by = own_clock(self.peer_id, members, get_dht_time()) - int(self.metadata["outer_step"])
             return Verdict(result, None, merged=False, stale_by=stale_by, weights={self.peer_id: 0.0})
         found = strangers(self.metadata, result.partners)
         if found:

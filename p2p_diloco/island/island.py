@@ -7,12 +7,9 @@ evaluate and record.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import zlib
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -22,22 +19,25 @@ from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.error_feedback import ErrorFeedback
 from p2p_diloco.diloco.fragments import Fragment, fragment_for_step, fragment_layout
 from p2p_diloco.diloco.grace import GraceWindow
-from p2p_diloco.diloco.merge import contribution_weight, is_finite
+from p2p_diloco.diloco.inner import dynamic_inner_steps
+from p2p_diloco.diloco.merge import is_finite
 from p2p_diloco.diloco.outer import pseudo_gradient
-from p2p_diloco.diloco.staleness import StalenessRule
+from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
 from p2p_diloco.island.checkpoints import restore, save
-from p2p_diloco.island.contribution import Contribution
+from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
+from p2p_diloco.island.progress import Progress
 from p2p_diloco.island.records import progress_line, round_record
 from p2p_diloco.island.resync import CatchUpStatus, Resync
-from p2p_diloco.island.rounds import Landed, PendingMerge, RoundOutcome, Verdict, done, in_background
-from p2p_diloco.island.trainer import LocalTrainer
+from p2p_diloco.island.rounds import Landed, PendingMerge, RoundOutcome, Verdict, done, in_background, nothing_landed
+from p2p_diloco.island.trainer import LocalTrainer, run_fingerprint
 from p2p_diloco.net.exchange import ExchangeResult
+from p2p_diloco.signals import GracefulStop
 from p2p_diloco.timeouts import SEARCH_MARGIN_S
 from p2p_diloco.train.data import load_shards
 from p2p_diloco.train.metrics import MetricsWriter
-from p2p_diloco.train.model import count_parameters, model_fingerprint
+from p2p_diloco.train.model import count_parameters
 
 logger = logging.getLogger(__name__)
 
@@ -45,19 +45,13 @@ Connector = Callable[..., SwarmLink]
 """Makes the island's SwarmLink (`p2p_diloco.island.link.connect`, or a fake one in tests)."""
 
 
-def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
-    """Identifies what islands must share: parameter names and shapes, the model config, the exchange schema."""
-    schema = "rda" if config.network.merge == "rda" else "flat"
-    text = model_fingerprint(model) + json.dumps(asdict(config.model), sort_keys=True) + schema
-    return f"{zlib.crc32(text.encode()):08x}{model_fingerprint(model)[:8]}"
-
-
 class Island:
     """A peer that trains with DiLoCo and merges pseudo-gradients with the swarm."""
 
-    def __init__(self, config: PeerConfig, *, connector: Connector = connect):
+    def __init__(self, config: PeerConfig, *, connector: Connector = connect, stop: GracefulStop | None = None):
         self.config = config
         self.connector = connector
+        self.stop = stop or GracefulStop()
         torch.set_num_threads(config.train.threads)
         self.trainer = LocalTrainer(config, load_shards(config.data))
         self.fingerprint = run_fingerprint(self.trainer.model, config)
@@ -86,11 +80,19 @@ class Island:
         """What the other islands of the run announced, as of the last announce."""
         self.pending: PendingMerge | None = None
         self.deadline: float | None = None
+        self.progress = Progress(config.network.run_id)
+        """Recent rounds, announced with the island for `p2p-diloco status` and the dashboard."""
+        self.clock = SwarmClock()
 
     @property
     def outer_step(self) -> int:
         """This island's outer step."""
         return self.state.outer_step
+
+    @property
+    def stopping(self) -> bool:
+        """True once a stop was requested (Ctrl-C or SIGTERM): the island stops at its next safe point."""
+        return self.stop.requested
 
     @property
     def peer_id(self) -> str:
@@ -115,32 +117,30 @@ class Island:
 
     # ----- the swarm's view ---------------------------------------------------------------------------------
     def _announcement(self) -> dict[str, Any]:
-        return {
-            "fingerprint": self.fingerprint,
-            "codec": self.config.network.codec,
-            "outer_step": self.outer_step,
-            "step_time_s": self.trainer.step_time_s,
-        }
+        """This island's record in the run (bounded: a few hundred bytes plus a short history)."""
+        identity = {"fingerprint": self.fingerprint, "codec": self.config.network.codec}
+        return self.progress.announcement(identity, self.outer_step, self.trainer, self.link.reachability)
 
     def _announce(self) -> dict[str, dict[str, Any]]:
         """Tell the run where we are; returns (and keeps) what the other islands announced."""
         try:
             self.swarm_view = self.link.records.announce(self._announcement(), check=False)
+            self.link.refresh(self.swarm_view)
         except Exception as error:  # a slow or restarting DHT must not stop training: use the last view
             logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
         return self.swarm_view
 
     def _planned_inner_steps(self) -> int:
-        """H, or with dynamic local updates floor(speed / fastest speed * H) so slow islands arrive with the rest."""
-        steps, step_time = self.config.train.inner_steps, self.trainer.step_time_s
-        if not self.config.train.dynamic_steps or not step_time:
-            return steps
-        times = [info["step_time_s"] for info in self.swarm_view.values() if info.get("step_time_s")] + [step_time]
-        return max(1, int(steps * min(times) / step_time))
+        """H, or with dynamic local updates fewer for a slower island (`dynamic_inner_steps`)."""
+        others = [info.get("step_time_s") for info in self.swarm_view.values()]
+        train = self.config.train
+        return dynamic_inner_steps(train.inner_steps, self.trainer.step_time_s, others, enabled=train.dynamic_steps)
 
     # ----- one round ----------------------------------------------------------------------------------------
-    def _round(self) -> dict[str, Any]:
+    def _round(self) -> dict[str, Any] | None:
         """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record.
+
+        Returns None when a stop was requested during the inner steps: the round is discarded.
 
         With fragments, the round syncs fragment `swarm clock mod P` after H/P inner steps. With overlap τ > 0
         the exchange runs in the background: it lands τ inner steps into the next round, and this round's
@@ -152,9 +152,11 @@ class Island:
 
         # Inner steps; an exchange in flight lands τ steps in.
         early = min(train.overlap_steps, steps) if self.pending is not None else 0
-        first = self.trainer.train(early)
-        landed = self._land() if self.pending is not None else None
-        rest = self.trainer.train(steps - early)
+        first = self.trainer.train(early, should_stop=lambda: self.stopping)
+        landed = self._land() if self.pending is not None and not self.stopping else None
+        rest = self.trainer.train(steps - early, should_stop=lambda: self.stopping)
+        if self.stopping:
+            return None
         losses, tokens = first.losses + rest.losses, first.tokens + rest.tokens
         compute_s = first.seconds + rest.seconds
         ready = get_dht_time()
@@ -163,12 +165,15 @@ class Island:
         # contribution discounted by the staleness rule) and takes the group's clock when it resyncs it.
         if self.link.online and train.overlap_steps == 0:
             self._announce()  # with overlap the exchange thread announces, off the training thread
-        swarm_step = max([self.outer_step] + [int(info.get("outer_step", 0)) for info in self.swarm_view.values()])
+        others = {peer: int(info["outer_step"]) for peer, info in self.swarm_view.items()}
+        swarm_step = self.clock.update(self.outer_step, others, get_dht_time(), compute_s)
+        for peer, claim in self.clock.implausible.items():
+            self.progress.warn_once(peer, f"claims outer step {claim}, which the swarm cannot have reached: ignored")
         staleness = swarm_step - self.outer_step
         fragment = self.fragments[fragment_for_step(swarm_step, train.fragments)]
 
         # This island's contribution; too stale to merge, it catches up instead.
-        contribution = self._contribution(fragment, tokens, steps, staleness, ready)
+        contribution = self._contribution(fragment, tokens, steps, staleness, ready, compute_s)
         if self.link.online and self.staleness_rule.factor(staleness) is None:
             landed = self._catch_up(staleness, swarm_step, contribution)
         elif train.overlap_steps == 0:  # blocking: exchange in this thread and land at once
@@ -179,33 +184,30 @@ class Island:
             future = in_background(self._exchange, contribution, compute_s, ready)
             self.pending = PendingMerge(contribution, staleness, swarm_step, future)
 
-        # Evaluate and record.
-        eval_start = time.monotonic()
-        eval_loss = self.trainer.evaluate()
-        record = self._record(landed, losses, steps, compute_s, round_start)
-        record["eval_loss"], record["eval_s"] = eval_loss, time.monotonic() - eval_start
-        record["round_s"] = time.monotonic() - round_start
-        return record
+        return self._record(landed, losses, steps, compute_s, round_start)
 
-    def _contribution(self, fragment: Fragment, tokens: int, steps: int, staleness: int, ready: float) -> Contribution:
+    def _contribution(
+        self, fragment: Fragment, tokens: int, steps: int, staleness: int, ready: float, round_s: float
+    ) -> Contribution:
         """This round's pseudo-gradient of `fragment` with the metadata its partners weigh it by."""
         network = self.config.network
         delta = fragment.take(pseudo_gradient(self.state.anchor, self.trainer.weights()))
         if not is_finite(delta):
             logger.warning("local training produced NaN/inf; dropping this round's local progress")
             delta = torch.zeros_like(delta)
-        metadata = {
-            "fragment": fragment.label,
-            "outer_step": self.outer_step,
-            "swarm_step": self.outer_step + staleness,
-            "digest": self.state.digest(fragment),
-            "fingerprint": self.fingerprint,
-            "codec": network.codec,
-            "tokens": tokens,
-            "steps": steps,
-            "base_weight": contribution_weight(network.merge, tokens, steps),
-            "ready": ready,
-        }
+        metadata = round_metadata(
+            fragment=fragment.label,
+            outer_step=self.outer_step,
+            swarm_step=self.outer_step + staleness,
+            digest=self.state.digest(fragment),
+            fingerprint=self.fingerprint,
+            network=network,
+            tokens=tokens,
+            steps=steps,
+            ready=ready,
+            round_s=round_s,
+            membership=None if self.link.membership is None else self.link.membership.token,
+        )
         return Contribution(
             delta,
             fragment,
@@ -292,7 +294,7 @@ class Island:
         if self.error_feedback is not None:
             for feedback in self.error_feedback.values():
                 feedback.clear()
-        caught = self.resync.catch_up()
+        caught = self.resync.catch_up(max_step=self.clock.value + 1 if self.clock.value is not None else None)
         if caught.status is CatchUpStatus.ADOPTED:
             self.trainer.load_all(self.state.anchor)
             note = f"{staleness} steps stale: contribution rejected, resynced to outer step {caught.outer_step}"
@@ -304,15 +306,15 @@ class Island:
     def _record(
         self, landed: Landed | None, losses: list[float], steps: int, compute_s: float, round_start: float
     ) -> dict[str, Any]:
-        """The metrics line of one round."""
-        if landed is None:  # the first round with overlap: the first fragment is still in flight
-            verdict = Verdict(ExchangeResult(merged=None), None, merged=False)
-            outcome = RoundOutcome(0, False, False, "first exchange in flight")
-            landed = Landed(verdict, outcome, None, 0.0, 0.0, 0, 0)
+        """Evaluate, then the metrics line of one round."""
+        eval_start = time.monotonic()
+        eval_loss = self.trainer.evaluate()
+        eval_s = time.monotonic() - eval_start
+        landed = landed or nothing_landed("first exchange in flight")  # with overlap, round 1 lands nothing
         transport = landed.verdict.transport
         if transport is None and self.link.transport is not None and self.config.train.overlap_steps == 0:
             transport = self.link.transport.read()
-        return round_record(
+        record = round_record(
             peer_id=self.peer_id,
             run_id=self.config.network.run_id,
             outer_step=self.outer_step,
@@ -326,6 +328,8 @@ class Island:
             anchor_digest=self.state.digest(),
             transport=transport,
         )
+        record.update(eval_loss=eval_loss, eval_s=eval_s, round_s=time.monotonic() - round_start)
+        return record
 
     # ----- the whole run ------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -347,25 +351,35 @@ class Island:
             self.deadline = time.monotonic() + budget if budget else None
             if self.link.online:
                 self._announce()
-            record: dict[str, Any] = {}
-            while self.outer_step + (self.pending is not None) < config.train.outer_steps:
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    logger.info(f"time budget of {budget:.0f}s used up")
-                    break
-                record = self._round()
-                self._log_round(metrics, record, start_digest if rounds == 0 else None, start_step)
-                rounds += 1
+            record: dict[str, Any] | None = {}
+            with self.stop.deferred():
+                while self.outer_step + (self.pending is not None) < config.train.outer_steps and not self.stopping:
+                    if self.deadline is not None and time.monotonic() >= self.deadline:
+                        logger.info(f"time budget of {budget:.0f}s used up")
+                        break
+                    record = self._round()
+                    if record is None:
+                        break
+                    self._log_round(metrics, record, start_digest if rounds == 0 else None, start_step)
+                    rounds += 1
+            if self.link.online:
+                self._announce()  # the final state, for `status` and newcomers
+            if self.stopping:
+                self.pending = None  # an exchange in flight is discarded; the last checkpoint stays consistent
+                save(config, self.state, self.trainer, now=True)
+                logger.info(f"stopped by {self.stop.name} at outer step {self.outer_step}")
+                return rounds
             if self.pending is not None:  # the last fragment's exchange is still in flight: land it
-                round_start = time.monotonic()
-                record = self._record(self._land(), [record["loss"]], 0, 0.0, round_start)
-                eval_start = time.monotonic()
-                record["eval_loss"] = self.trainer.evaluate()
-                record["eval_s"] = time.monotonic() - eval_start
-                self._log_round(metrics, record, None, start_step)
+                self._land_last(metrics, record["loss"], start_step)
                 rounds += 1
             return rounds
         finally:
-            self.link.close()
+            self.link.close(linger=not self.stopping)
+
+    def _land_last(self, metrics: MetricsWriter, last_loss: float, start_step: int) -> None:
+        """Land the exchange still in flight at the end of the run and log it as a round of its own."""
+        record = self._record(self._land(), [last_loss], 0, 0.0, time.monotonic())
+        self._log_round(metrics, record, None, start_step)
 
     def _log_round(
         self, metrics: MetricsWriter, record: dict[str, Any], start_digest: str | None, start_step: int
@@ -377,5 +391,8 @@ class Island:
             join_s=self.link.join_s if start_digest is not None else None,
         )
         metrics.write(record)
+        self.progress.add(record)
+        if (warning := self.progress.cut_off(record, self.link, self.swarm_view)) is not None:
+            logger.warning(warning)
         save(self.config, self.state, self.trainer)
         logger.info(progress_line(record, self.config.train.outer_steps))

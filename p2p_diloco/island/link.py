@@ -1,22 +1,41 @@
-"""An island's link to the swarm: its DHT node, the run's records, the averaging exchange and the TCP meter."""
+"""An island's link to the swarm: its DHT node, reachability, the run's records, the exchange and the TCP meter."""
 
 from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import NetworkConfig
 from p2p_diloco.diloco.staleness import StalenessRule
 from p2p_diloco.net.averager import StateProvider
 from p2p_diloco.net.codecs import get_compression
-from p2p_diloco.net.dht import OrphanFreeDHT, join_dht, shutdown_dht
+from p2p_diloco.net.connectivity import (
+    ask_hello,
+    connect_peers,
+    ping_peers,
+    revoke_in_dht,
+    routing_table_size,
+    serve_hello,
+)
+from p2p_diloco.net.dht import JoinError, OrphanFreeDHT, join_dht, shutdown_dht
 from p2p_diloco.net.exchange import GossipExchange
-from p2p_diloco.net.records import RunRecords
+from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.identity import ensure_identity, peer_id_of_identity
+from p2p_diloco.net.membership import Membership, MembershipError, load_membership, read_json
+from p2p_diloco.net.peers_file import read_peers_file, write_peers_file
+from p2p_diloco.net.reachability import Reachability, announce_relay, determine, relay_hosts
+from p2p_diloco.net.records import PROTOCOL_VERSION, RunRecords
 from p2p_diloco.net.transport import TransportMeter
+from p2p_diloco.timeouts import LINGER_S
 
 logger = logging.getLogger(__name__)
+
+REVOCATIONS_KEY = "p2p-diloco.revocations"
+"""DHT key where the members of a private swarm pass the owner's newest revocation list on."""
 
 
 @dataclass
@@ -29,28 +48,157 @@ class SwarmLink:
     records: RunRecords | None = None
     exchange: GossipExchange | None = None
     transport: TransportMeter | None = None
+    reachability: Reachability | None = None
+    network: NetworkConfig | None = None
+    membership: Membership | None = None
+    revocations: dict | None = None
+    """The newest owner-signed revocation list this island knows (from --revoked or the DHT)."""
+    last_rebootstrap: float = field(default_factory=time.monotonic)
 
     @property
     def online(self) -> bool:
         """True when the island averages with a swarm."""
         return self.exchange is not None
 
-    def close(self) -> None:
-        """Stop the averager and the DHT, leaving no child process behind."""
+    def refresh(self, swarm_view: dict[str, dict[str, Any]]) -> None:
+        """Dial islands of the run that are reachable only through a relay; now and then re-ping initial peers."""
+        if self.dht is None:
+            return
+        relayed = {
+            peer: [m for m in info.get("maddrs") or [] if isinstance(m, str)][:4]
+            for peer, info in swarm_view.items()
+            if info.get("reachability") == "relayed"
+        }
+        if relayed:
+            try:
+                dialed = connect_peers(self.dht, relayed)
+                if dialed:
+                    logger.debug(f"dialed islands behind relays: {dialed}")
+            except Exception as error:  # a slow DHT process must not stop training
+                logger.debug(f"could not dial relayed islands: {error!r}")
+        if time.monotonic() - self.last_rebootstrap >= self.network.rebootstrap_s:
+            self.last_rebootstrap = time.monotonic()
+            self._rebootstrap(swarm_view)
+
+    def _rebootstrap(self, swarm_view: dict[str, dict[str, Any]]) -> None:
+        network = self.network
+        try:
+            ping_peers(self.dht, network.initial_peers)
+        except Exception as error:
+            logger.debug(f"could not ping the initial peers: {error!r}")
+        reachability = self.reachability
+        if reachability is not None and reachability.relay_server is not None:
+            announce_relay(self.dht, self.peer_id, reachability.relay_server.port, relay_hosts(reachability.maddrs))
+        if network.peers_file:
+            maddrs = [m for info in swarm_view.values() for m in (info.get("maddrs") or [])[:2]]
+            write_peers_file(network.peers_file, maddrs + list(network.initial_peers))
+        if self.membership is not None:
+            try:
+                self._share_revocations()
+            except Exception as error:  # revocations travel again at the next refresh
+                logger.debug(f"could not share revocations: {error!r}")
+
+    def _share_revocations(self) -> None:
+        """Publish our revocation list and take a newer one from the DHT (lists are owner-signed, so anyone may
+        pass one on), applying it to the DHT's and the averager's access control."""
+        newest = self.revocations
+        found = self.dht.get(REVOCATIONS_KEY, latest=True, return_future=True).result(timeout=self.network.dht_timeout)
+        for item in ((found.value if found is not None else None) or {}).values():
+            document = getattr(item, "value", None)
+            if self.membership.issued(document) > self.membership.issued(newest):
+                newest = document
+        if newest is None:
+            return
+        if newest is not self.revocations:
+            self.revocations = newest
+            self.membership = self.membership.with_revocations(newest)
+            revoke_in_dht(self.dht, newest)
+            self.exchange.averager.revoke(newest)
+            logger.info(f"applied a revocation list of {len(newest['revoked']['peer_ids'])} peers")
+        self.dht.store(
+            REVOCATIONS_KEY,
+            subkey=self.peer_id,
+            value=newest,
+            expiration_time=get_dht_time() + self.network.announce_ttl,
+        )
+
+    def close(self, linger: bool = False) -> None:
+        """Stop the averager, the relay and the DHT, leaving no child process behind.
+
+        With `linger`, first give replies still in flight to partners of the last round time to leave.
+        """
+        if linger and self.exchange is not None:
+            time.sleep(LINGER_S)
         if self.exchange is not None:
             try:
                 self.exchange.shutdown()
             except Exception as error:  # shutting down must not mask the original error
                 logger.debug(f"averager shutdown: {error!r}")
             self.exchange = None
+        if self.reachability is not None:
+            self.reachability.close()
+            self.reachability = None
         if self.dht is not None:
             shutdown_dht(self.dht)
             self.dht = None
 
 
+def check_admission(dht: OrphanFreeDHT, network: NetworkConfig, membership: Membership | None, peer_id: str) -> None:
+    """Tell others whether this swarm is private; and if the initial peers refused our DHT pings, say why."""
+    serve_hello(
+        dht, {"private": membership is not None, "owner": network.swarm_public_key, "protocol": PROTOCOL_VERSION}
+    )
+    if not network.initial_peers or routing_table_size(dht) > 0:
+        return
+    answers = ask_hello(dht, network.initial_peers)
+    private = [answer for answer in answers if answer.get("private")]
+    if private and membership is None:
+        owner = private[0].get("owner")
+        raise MembershipError(
+            f"this swarm is private (owner key {owner}): ask its owner for a membership token for peer id {peer_id} "
+            f"and pass --swarm-public-key {owner} --membership TOKEN --identity <the identity it was issued for>"
+        )
+    if private:
+        raise MembershipError(
+            "the swarm's peers refused this island's membership token (expired, revoked, or for "
+            "another owner key?); ask the swarm's owner for a new one"
+        )
+    raise JoinError(
+        f"the initial peers {network.initial_peers} do not answer DHT requests; are they p2p-diloco "
+        "peers of a compatible version?"
+    )
+
+
+def private_membership(network: NetworkConfig) -> Membership | None:
+    """This island's checked membership of a private swarm (None for a public swarm)."""
+    if not network.swarm_public_key:
+        return None
+    peer_id = peer_id_of_identity(network.identity)
+    return load_membership(network.swarm_public_key, network.membership, network.revoked, peer_id, network.run_id)
+
+
+def resolved_robust_merge(network: NetworkConfig) -> str:
+    """--robust-merge, with 'auto' made concrete: CenteredClip among strangers, none among members."""
+    if network.robust_merge != "auto":
+        return network.robust_merge
+    return "none" if network.swarm_public_key else "clip"
+
+
 def solo_link(network: NetworkConfig, shard_index: int | None) -> SwarmLink:
     """The link of an island that trains alone: no network at all."""
     return SwarmLink(peer_id=f"solo-{network.run_id}-{shard_index}")
+
+
+def _log_reachability(reachability: Reachability, run_id: str) -> None:
+    """Say how others reach this island and, when they can, the command that joins through it."""
+    logger.info(reachability.line)
+    for warning in reachability.warnings:
+        logger.warning(warning)
+    if reachability.maddrs:
+        logger.info(f"this island's multiaddrs: {' '.join(reachability.maddrs)}")
+        logger.info(
+            f"others can join through it: p2p-diloco peer --initial-peers {reachability.maddrs[0]} --run-id {run_id}"
+        )
 
 
 def connect(
@@ -61,17 +209,28 @@ def connect(
     exchange_size: int,
     staleness_rule: StalenessRule,
 ) -> SwarmLink:
-    """Join the DHT, announce this island (refusing a run of another model or codec), start the exchange."""
+    """Join the DHT, find out how others reach us, announce this island (refusing a run of another model, codec
+    or protocol) and start the exchange."""
     start = time.monotonic()
     # Before any fork: the int8 codec loads bitsandbytes, which the averager process must inherit.
     compression = get_compression(network.codec)
-    dht = join_dht(network)
-    link = SwarmLink(peer_id=dht.peer_id.to_base58(), dht=dht)
+    network.identity = ensure_identity(network.identity)
+    membership = private_membership(network)  # a bad token is a one-line error before anything starts
+    remembered = [m for m in read_peers_file(network.peers_file) if m not in network.initial_peers]
+    dht = join_dht(network, extra_peers=remembered, membership=membership)
+    link = SwarmLink(peer_id=dht.peer_id.to_base58(), dht=dht, network=network, membership=membership)
+    if membership is not None and network.revoked:
+        link.revocations = read_json(network.revoked, "revocation list")
     try:
+        check_admission(dht, network, membership, link.peer_id)
+        link.reachability = reachability = determine(dht, link.peer_id, network)
+        _log_reachability(reachability, network.run_id)
+        announcement.update(maddrs=reachability.maddrs[:4], reachability=reachability.mode)
         link.records = RunRecords(
             dht, network.run_id, link.peer_id, ttl=network.announce_ttl, timeout=network.dht_timeout
         )
-        link.records.announce(announcement, check=True)
+        link.refresh(link.records.announce(announcement, check=True))
+        outbound_only = network.client_mode == "on" or (reachability.mode == "client" and network.client_mode == "auto")
         link.exchange = GossipExchange(
             dht,
             run_id=network.run_id,
@@ -88,6 +247,10 @@ def connect(
             staleness_rule=staleness_rule,
             declare_state_period=network.declare_state_period,
             shutdown_timeout=network.shutdown_timeout,
+            client_mode=outbound_only,
+            gate=Gate(membership, network.ban_rounds),
+            robust_merge=resolved_robust_merge(network),
+            membership_token=None if membership is None else membership.token,
         )
         link.transport = TransportMeter()
         link.transport.read()

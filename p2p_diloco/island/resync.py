@@ -40,9 +40,16 @@ class Resync:
     def __init__(self, exchange: Any, state: OuterState, *, timeout: float):
         self.exchange, self.state, self.timeout = exchange, state, timeout
 
-    def catch_up(self) -> CatchUp:
-        """Drop local progress and adopt the newest state a donor serves, if it is newer than ours."""
-        found = self.exchange.load_state(timeout=self.timeout)
+    def download(self, peers: list[str] | None = None, max_step: int | None = None) -> tuple[dict, list] | None:
+        """A verified state (of our model and shapes) from the donors, or None."""
+        shapes = [tuple(tensor.shape) for tensor in self.state.tensors()]
+        return self.exchange.load_state(
+            timeout=self.timeout, peers=peers, shapes=shapes, fingerprint=self.state.fingerprint, max_step=max_step
+        )
+
+    def catch_up(self, max_step: int | None = None) -> CatchUp:
+        """Drop local progress and adopt the newest state the donors agree on, if it is newer than ours."""
+        found = self.download(max_step=max_step)
         if found is None or int(found[0]["outer_step"]) <= self.state.outer_step:
             return CatchUp(CatchUpStatus.NO_NEWER_DONOR, self.state.outer_step)
         self.state.adopt(*found, source="a donor")
@@ -63,7 +70,7 @@ class Resync:
         canonical = canonical_lineage(members)
         if members[""] == canonical:
             return False
-        found = self.exchange.load_state(timeout=self.timeout, peers=donors(members, canonical))
+        found = self.download(peers=donors(members, canonical))
         if found is None:
             logger.warning("off the group's lineage and no donor answered; keeping own anchor")
             return False

@@ -72,6 +72,12 @@ class Landed:
     swarm_step: int
 
 
+def nothing_landed(note: str) -> Landed:
+    """The record of a round in which no merge landed (the first round with overlap)."""
+    verdict = Verdict(ExchangeResult(merged=None), None, merged=False)
+    return Landed(verdict, RoundOutcome(0, False, False, note), None, 0.0, 0.0, 0, 0)
+
+
 def done(value: Any) -> Future:
     """A future that already holds `value` (a blocking exchange)."""
     future: Future = Future()

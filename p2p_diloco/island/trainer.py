@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -11,7 +15,14 @@ from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.inner import InnerResult, make_inner_optimizer, run_inner_steps
 from p2p_diloco.diloco.outer import assign_parameters_, flatten_parameters
 from p2p_diloco.train.data import BatchStream, Shards, data_seed, evaluate
-from p2p_diloco.train.model import build_model
+from p2p_diloco.train.model import build_model, model_fingerprint
+
+
+def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
+    """Identifies what islands must share: parameter names and shapes, the model config, the exchange schema."""
+    schema = "rda" if config.network.merge == "rda" else "flat"
+    text = model_fingerprint(model) + json.dumps(asdict(config.model), sort_keys=True) + schema
+    return f"{zlib.crc32(text.encode()):08x}{model_fingerprint(model)[:8]}"
 
 
 class LocalTrainer:
@@ -48,8 +59,8 @@ class LocalTrainer:
         """Element counts of the parameters, in module order."""
         return [parameter.numel() for parameter in self.model.parameters()]
 
-    def train(self, steps: int) -> InnerResult:
-        """Run `steps` inner steps (none for 0) and count them."""
+    def train(self, steps: int, should_stop: Callable[[], bool] | None = None) -> InnerResult:
+        """Run `steps` inner steps (none for 0; fewer when `should_stop()` says so) and count them."""
         if steps <= 0:
             return InnerResult([], 0, 0.0)
         train = self.config.train
@@ -61,9 +72,12 @@ class LocalTrainer:
             steps,
             grad_clip=train.grad_clip,
             slowdown=train.slowdown,
+            should_stop=should_stop,
         )
-        self.step_time_s = result.seconds / steps
-        self.inner_steps_total += steps
+        done = len(result.losses)
+        if done:
+            self.step_time_s = result.seconds / done
+        self.inner_steps_total += done
         self.tokens += result.tokens
         return result
 

@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import math
 import multiprocessing as mp
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, BannedException
 from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+
+from p2p_diloco.net.reducers import make_reducer
 
 logger = get_logger(__name__)
 
@@ -68,33 +71,18 @@ class LinkLimiter:
         await asyncio.sleep(self.free_at - now)
 
 
-class StrictPartReducer(TensorPartReducer):
-    """A reducer whose results turn to NaN once a sender fails before it has sent every part."""
-
-    poisoned = False
-
-    def on_sender_failed(self, sender_index: int) -> None:
-        """Mark the rest of this reduction as invalid unless the sender had already sent all its parts."""
-        if self.num_parts_received[sender_index] < self.num_parts and not self.finished.is_set():
-            self.poisoned = True
-        super().on_sender_failed(sender_index)
-
-    def check_current_part_finished(self) -> None:
-        """Finish the current part: the weighted mean, or NaN if the round is poisoned."""
-        assert self.current_part_accumulated_from <= self.num_current_senders
-        if self.current_part_accumulated_from == self.num_current_senders:
-            if self.poisoned or self.denominator <= 0:
-                result = self.accumulator.fill_(float("nan"))
-            else:
-                result = self.accumulator.div_(self.denominator)
-            self.current_part_future.set_result(result)
-            self.reset_accumulators()
-
-
 class StrictAllReduceRunner(AllReduceRunner):
     """AllReduceRunner that returns averages (not deltas), poisons partial reductions and counts bytes."""
 
-    def __init__(self, *, byte_counters: ByteCounters, **kwargs) -> None:
+    def __init__(
+        self,
+        *,
+        byte_counters: ByteCounters,
+        robust_merge: str = "none",
+        weight_caps: dict[PeerID, float] | None = None,
+        on_dropped: Callable[[PeerID, str], None] | None = None,
+        **kwargs,
+    ) -> None:
         super().__init__(**kwargs)
         self.byte_counters = byte_counters
         self.link = LinkLimiter.from_env()
@@ -106,8 +94,12 @@ class StrictAllReduceRunner(AllReduceRunner):
             self._replies_sent.set()
         self.tensor_part_reducer.num_parts = 0  # retire the stock reducer quietly (it would warn on deletion)
         self.tensor_part_reducer.finalize()
-        self.tensor_part_reducer = StrictPartReducer(
-            tuple(part.shape for part in self.parts_for_local_averaging), len(self.sender_peer_ids)
+        caps = [math.inf if weight_caps is None else weight_caps.get(peer, 0.0) for peer in self.sender_peer_ids]
+        dropped = None
+        if on_dropped is not None:
+            dropped = lambda index, why: on_dropped(self.sender_peer_ids[index], why)  # noqa: E731
+        self.tensor_part_reducer = make_reducer(
+            robust_merge, tuple(part.shape for part in self.parts_for_local_averaging), caps, dropped
         )
         self._compression_type = self.tensor_part_container.compression.compression_type
 

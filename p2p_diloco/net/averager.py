@@ -8,7 +8,9 @@ import hashlib
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+
+# hivemind tells streaming handlers from unary ones by typing.AsyncIterator's name (not collections.abc's).
+from typing import Any, AsyncIterator  # noqa: UP035
 
 import torch
 from hivemind.averaging import DecentralizedAverager
@@ -16,16 +18,26 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.dht import DHT
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_logger
+from hivemind.utils import get_dht_time, get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco.diloco.staleness import StalenessRule, group_weights
+from p2p_diloco.diloco.staleness import (
+    WEIGHT_CAP,
+    StalenessRule,
+    claim_limit,
+    claimed_step,
+    group_weights,
+    own_weight,
+    weight_claims_over_cap,
+)
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
-from p2p_diloco.process import die_with_parent
+from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.state_transfer import verified_download
+from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
 from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
 
 logger = get_logger(__name__)
@@ -44,17 +56,38 @@ class PseudoGradientAverager(DecentralizedAverager):
         prefix: str,
         state_provider: StateProvider,
         staleness_rule: StalenessRule | None = None,
+        gate: Gate | None = None,
+        robust_merge: str = "none",
+        token: Any = None,
         **kwargs: Any,
     ):
         self.byte_counters = ByteCounters()
         self._state_provider = state_provider
         self._staleness_rule = staleness_rule
+        self.gate = gate or Gate(None, ban_rounds=0)
+        self.robust_merge = robust_merge
+        self._token = token
         super().__init__([torch.zeros(size, dtype=torch.float32)], dht=dht, prefix=prefix, **kwargs)
+
+    # hivemind caches the rpc handlers it collects per class hierarchy: without these, a process that used a plain
+    # DecentralizedAverager first would serve this class with the base class's handlers.
+    _rpc_handlers = None
+    _stub_type = None
 
     def run(self) -> None:
         """Serve averaging after arranging to die with the island's process."""
         die_with_parent()
+        ignore_group_stop_signals()
         super().run()
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        # Overrides hivemind's private shutdown: a stop signal sent to the whole process group (systemd's default,
+        # `kill -TERM -PGID`) also stops the p2pd daemon, and hivemind's unregistering of handlers then dies with a
+        # traceback on the daemon's vanished socket. There is nothing left to unregister in that case.
+        try:
+            await super()._shutdown(timeout)
+        except (OSError, ConnectionError) as error:
+            logger.info(f"averager stopped after its p2p daemon ({error.__class__.__name__})")
 
     def get_current_state(self) -> tuple[dict[str, Any], Sequence[torch.Tensor], None]:
         """The island's outer state (anchor, momentum, step...) for a peer that joins late or resyncs."""
@@ -65,9 +98,15 @@ class PseudoGradientAverager(DecentralizedAverager):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
-        weight = self._weight_in_group(group_info)
-        if weight is not None:
-            kwargs["weight"] = weight
+        members = self._gathered(group_info)
+        self.gate.next_round()
+        refused = [peer for peer, data in members.items() if self.gate.admit(peer.to_base58(), data.get("membership"))]
+        if refused:
+            raise AllreduceException(f"group members without a valid membership token: {refused}")
+        caps = self._weight_caps(members)
+        if caps is not None:
+            kwargs["weight"] = min(kwargs.get("weight", 1.0), caps.pop(None))
+            kwargs["weight_caps"] = caps
         backup = [tensor.clone() for tensor in tensors]
         runner = StrictAllReduceRunner(
             p2p=self._p2p,
@@ -77,6 +116,8 @@ class PseudoGradientAverager(DecentralizedAverager):
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             byte_counters=self.byte_counters,
+            robust_merge=self.robust_merge,
+            on_dropped=self._dropped,
             **kwargs,
         )
         assert group_id in self._running_groups, f"group {group_id} was not registered"
@@ -96,20 +137,119 @@ class PseudoGradientAverager(DecentralizedAverager):
                 tensor.copy_(saved)
             raise
 
-    def _weight_in_group(self, group_info: GroupInfo) -> float | None:
-        """This island's staleness-ruled weight against the group's clock (None: keep the weight it was given)."""
-        if self._staleness_rule is None:
-            return None
+    def _gathered(self, group_info: GroupInfo) -> dict[PeerID, dict[str, Any]]:
+        """Every member's gathered metadata (an empty dict for one that sent something else)."""
         members = {}
         for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
-            metadata = self.serializer.loads(self.serializer.loads(gathered)[2])
-            if not isinstance(metadata, dict) or "base_weight" not in metadata or "outer_step" not in metadata:
-                return None
-            members[peer] = metadata
-        weight = group_weights(members, self._staleness_rule)[self.peer_id]
-        if weight == 0.0:
+            try:
+                metadata = self.serializer.loads(self.serializer.loads(gathered)[2])
+            except Exception:  # a peer's bytes are its own problem: it gets weight 0 below
+                metadata = None
+            members[peer] = metadata if isinstance(metadata, dict) else {}
+        return members
+
+    def _weight_caps(self, members: dict[PeerID, dict[str, Any]]) -> dict[PeerID | None, float] | None:
+        """The most each sender may weigh (None: this island's own weight), or None without a staleness rule."""
+        if self._staleness_rule is None:
+            return None
+        wellformed = {peer: data for peer, data in members.items() if _weighable(data)}
+        if self.peer_id not in wellformed:
+            return None
+        bounds = group_weights(wellformed, self._staleness_rule)
+        limit = claim_limit(wellformed[self.peer_id], get_dht_time())
+        for peer, data in wellformed.items():
+            if claimed_step(data) > limit:
+                self.gate.warn_once(
+                    peer.to_base58(),
+                    f"claims the swarm is at step {claimed_step(data)}, which it "
+                    "cannot have reached: the claim is ignored",
+                    kind="clock claim",
+                )
+        for peer, (claimed, cap) in weight_claims_over_cap(wellformed).items():
+            self.gate.warn_once(
+                peer.to_base58(),
+                f"declares a weight of {claimed:.3g}, above {WEIGHT_CAP:g}x the group's median: capped at {cap:.3g}",
+                kind="weight claim",
+            )
+        caps = {peer: 0.0 if self.gate.banned(peer.to_base58()) else bounds.get(peer, 0.0) for peer in members}
+        caps[None] = own_weight(self.peer_id, wellformed, self._staleness_rule, get_dht_time())
+        if caps[None] == 0.0:
             logger.info("this island's contribution is too stale for the group: it sends weight 0")
-        return weight
+        return caps
+
+    def _dropped(self, peer: PeerID, why: str) -> None:
+        if "NaN" in why:
+            self.gate.ban(peer.to_base58(), why)
+        else:
+            logger.warning(f"island {peer} sent {why}: it counts for no more than the others")
+
+    # ----- who may talk to this island ------------------------------------------------------------------------
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """Refuse a follower that is banned or (in a private swarm) shows no valid token; else hivemind's."""
+        peer = context.remote_id.to_base58()
+        try:
+            token = self.serializer.loads(self.serializer.loads(request.gather)[2]).get("membership")
+        except Exception:  # malformed gathered data: no token
+            token = None
+        if self.gate.banned(peer) or (self.gate.private and self.gate.admit(peer, token) is not None):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Take parts only from members. A banned peer already in the group is heard but weighs 0 (its weight cap):
+        refusing its stream would fail the round for every member, which is what the ban is meant to prevent."""
+        if not self.gate.member(context.remote_id.to_base58()):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_aggregate_part(stream, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """Serve the state only to allowed peers (an empty answer sends the asker to the next donor)."""
+        if not self.gate.allowed(context.remote_id.to_base58()):
+            return
+        async for response in super().rpc_download_state(request, context):
+            yield response
+
+    async def rpc_state_info(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """What this island's state is (outer step, digest, model), without the tensors."""
+        if not self.gate.allowed(context.remote_id.to_base58()) or not self.allow_state_sharing:
+            return averaging_pb2.DownloadData()
+        metadata, _, _ = await self._get_current_state_from_host_process()  # serialized by the host already
+        return averaging_pb2.DownloadData(metadata=metadata)
+
+    async def rpc_present_membership(
+        self, request: averaging_pb2.DownloadData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Check a peer's membership token (shown before it asks for state); answer with this island's own."""
+        try:
+            token = self.serializer.loads(request.metadata)
+        except Exception:  # garbage: no token
+            token = None
+        reason = self.gate.admit(context.remote_id.to_base58(), token)
+        return averaging_pb2.DownloadData(
+            metadata=self.serializer.dumps({"ok": reason is None, "reason": reason, "membership": self._token})
+        )
+
+    def revoke(self, document: Any) -> None:
+        """Apply an owner-signed revocation list in the averager process too."""
+        future = MPFuture()
+        self._outer_pipe.send(("_revoke", [], dict(document=document, future=future)))
+        future.result(timeout=AVERAGER_COMMAND_S)
+
+    async def _revoke(self, document: Any, future: MPFuture) -> None:
+        self.gate.revoke(document)
+        future.set_result(True)
 
     def set_schema_tag(self, tag: int | None) -> None:
         """Match only with islands exchanging the same thing (e.g. the same fragment) from now on."""
@@ -125,39 +265,73 @@ class PseudoGradientAverager(DecentralizedAverager):
         future.set_result(True)
 
     def load_state_from(
-        self, peers: Sequence[PeerID] | None, timeout: float
+        self,
+        peers: Sequence[PeerID] | None,
+        timeout: float,
+        *,
+        shapes: Sequence[tuple[int, ...]] | None = None,
+        fingerprint: str | None = None,
+        max_step: int | None = None,
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Download the outer state from the first of `peers` that answers (any state donor if None)."""
+        """The outer state most of `peers` (any state donors if None) agree on, verified; None if none delivers."""
         future = MPFuture()
-        self._outer_pipe.send(("_load_state_from", [], dict(peers=peers, timeout=timeout, future=future)))
+        kwargs = dict(peers=peers, timeout=timeout, shapes=shapes, fingerprint=fingerprint, max_step=max_step)
+        self._outer_pipe.send(("_load_state_from", [], dict(**kwargs, future=future)))
         return future.result(timeout=timeout + STATE_MARGIN_S)
 
-    async def _load_state_from(self, future: MPFuture, peers: Sequence[PeerID] | None, timeout: float) -> None:
+    async def _load_state_from(self, future: MPFuture, peers, timeout, shapes, fingerprint, max_step) -> None:
         try:
-            if peers is None:
-                key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-                donors, _ = await self.dht.get(key, latest=True, return_future=True) or ({}, None)
-                priority = {
-                    PeerID(peer_id): (float(info.value), random.random())
-                    for peer_id, info in (donors or {}).items()
-                    if isinstance(getattr(info, "value", None), (float, int))
-                }
-                peers = sorted(priority, key=priority.get, reverse=True)
             deadline = time.monotonic() + timeout
-            for peer in peers:
-                if peer == self.peer_id or time.monotonic() >= deadline:
-                    continue
-                try:
-                    result = await asyncio.wait_for(self._download_state(peer), deadline - time.monotonic())
-                except Exception as error:  # a donor that fails costs only itself
-                    logger.warning(f"could not download state from {peer}: {error!r}")
-                    continue
-                if result is not None:
-                    future.set_result(result)
-                    return
+            donors = [peer for peer in (peers or await self._donors()) if peer != self.peer_id]
+            donors = [peer for peer in donors if not self.gate.banned(peer.to_base58())]
+            if self.gate.private:
+                donors = [peer for peer in await asyncio.gather(*map(self._present, donors)) if peer is not None]
+            remaining = max(0.1, deadline - time.monotonic())
+            state = await verified_download(
+                donors,
+                ask=self._state_info,
+                download=self._download_state,
+                fingerprint=fingerprint,
+                shapes=shapes,
+                max_step=max_step,
+                on_liar=lambda peer, why: self.gate.ban(peer.to_base58(), f"{why} as a state donor"),
+                timeout=remaining,
+            )
+            future.set_result(state)
         finally:
             if not future.done():
                 future.set_result(None)
+
+    async def _donors(self) -> list[PeerID]:
+        """Every peer that declared itself a state donor of the run (their declared priority is not trusted)."""
+        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
+        found, _ = await self.dht.get(key, latest=True, return_future=True) or ({}, None)
+        donors = []
+        for peer_id in (found or {}).keys():
+            try:
+                donors.append(PeerID(peer_id))
+            except Exception:  # a malformed subkey is someone else's garbage
+                continue
+        random.shuffle(donors)
+        return donors
+
+    async def _present(self, peer: PeerID) -> PeerID | None:
+        """Show our membership token to a donor; the donor if it shows a valid one back."""
+        try:
+            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+            request = averaging_pb2.DownloadData(metadata=self.serializer.dumps(self._token))
+            answer = self.serializer.loads((await stub.rpc_present_membership(request)).metadata)
+        except Exception as error:  # a donor that cannot answer is no donor
+            logger.debug(f"donor {peer} did not answer about membership: {error!r}")
+            return None
+        if not isinstance(answer, dict) or self.gate.admit(peer.to_base58(), answer.get("membership")) is not None:
+            return None
+        return peer
+
+    async def _state_info(self, peer: PeerID) -> Any:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        answer = await stub.rpc_state_info(averaging_pb2.DownloadRequest())
+        return self.serializer.loads(answer.metadata) if answer.metadata else None
 
     async def _download_state(self, peer: PeerID) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
@@ -173,3 +347,14 @@ class PseudoGradientAverager(DecentralizedAverager):
         if parts:
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
         return None if not metadata else (metadata, tensors)
+
+
+def _weighable(data: dict[str, Any]) -> bool:
+    step, weight = data.get("outer_step"), data.get("base_weight")
+    return (
+        isinstance(step, int)
+        and not isinstance(step, bool)
+        and isinstance(data.get("swarm_step", step), int)
+        and isinstance(weight, (int, float))
+        and not isinstance(weight, bool)
+    )

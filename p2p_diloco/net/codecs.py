@@ -268,12 +268,14 @@ def describe_strangers(ours: Mapping[str, Any], found: Mapping[str, Mapping[str,
     return "; ".join(parts)
 
 
-def schema_hash_with_codec(schema_hash: bytes, name: str) -> bytes:
-    """An averager's schema hash that also names the codec, so that matchmaking refuses islands of another codec.
+def schema_hash_with_codec(schema_hash: bytes, name: str, protocol: int | None = None) -> bytes:
+    """An averager's schema hash that also names the codec (and the wire protocol, if given), so that matchmaking
+    refuses islands of another codec or protocol version.
 
     hivemind's leaders reject a follower whose schema hash differs (BAD_SCHEMA_HASH) before any all-reduce starts;
     without this, members of different codecs cut the vector into parts of different sizes and the round fails at
     the reducers only after timeouts (or, with one part each, succeeds with members holding different bits).
     """
     quantizer(name)
-    return hashlib.sha1(schema_hash + b"|codec=" + name.encode()).digest()
+    protocol_tag = b"" if protocol is None else f"|protocol={protocol}".encode()
+    return hashlib.sha1(schema_hash + b"|codec=" + name.encode() + protocol_tag).digest()

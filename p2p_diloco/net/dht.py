@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import hivemind
 
 from p2p_diloco.config import NetworkConfig
-from p2p_diloco.errors import NetworkUnreachableError
-from p2p_diloco.process import die_with_parent
+from p2p_diloco.errors import NetworkUnreachableError, UserError
+from p2p_diloco.net.dht_guard import MembershipAuthorizer, record_validators
+from p2p_diloco.net.identity import ensure_identity, load_identity
+from p2p_diloco.net.membership import Membership
+from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
 from p2p_diloco.timeouts import DHT_STOP_S
 
 logger = logging.getLogger(__name__)
@@ -20,6 +22,10 @@ logger = logging.getLogger(__name__)
 
 class JoinError(NetworkUnreachableError):
     """The swarm could not be reached, or this node could not start."""
+
+
+class ListenError(UserError):
+    """This node cannot listen where it was told to."""
 
 
 def _exec_with_parent_death(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,6 +48,7 @@ class OrphanFreeDHT(hivemind.DHT):
     def run(self) -> None:
         """Serve the DHT after arranging to die with the parent process."""
         die_with_parent()
+        ignore_group_stop_signals()
         # hivemind starts p2pd from inside this process through asyncio and offers no hook for the child's
         # setup: wrapping asyncio's exec (in this forked process only) makes p2pd die with us too.
         asyncio.subprocess.create_subprocess_exec = _exec_with_parent_death(asyncio.subprocess.create_subprocess_exec)
@@ -55,14 +62,31 @@ def start_dht(
     announce_maddrs: list[str],
     identity: str | None,
     timeout: float,
+    client_mode: bool = False,
+    membership: Membership | None = None,
 ) -> OrphanFreeDHT:
-    """Start a DHT node (and its p2pd) that dies with this process; raise JoinError within `timeout`."""
-    if identity:
-        Path(identity).expanduser().parent.mkdir(parents=True, exist_ok=True)
-    kwargs = {"host_maddrs": host_maddrs, "identity_path": identity}
+    """Start a DHT node (and its p2pd) that dies with this process; raise JoinError within `timeout`.
+
+    The node runs with an RSA identity (`identity`, created if missing; a fresh temporary one if None) that signs
+    its records; with `membership` (a private swarm) every DHT request must carry a member's token. A client-mode
+    node only makes requests: nobody adds it to their routing table or dials it.
+    """
+    identity = ensure_identity(identity)
+    key = load_identity(identity)
+    kwargs: dict = {"host_maddrs": host_maddrs, "identity_path": identity, "client_mode": client_mode}
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
-    dht = OrphanFreeDHT(initial_peers=initial_peers or None, start=False, **kwargs)
+    if membership is not None:
+        kwargs["authorizer"] = MembershipAuthorizer(key, membership)
+    # A refused bootstrap ping must not end the start-up: the caller asks the peers why (a private swarm?).
+    dht = OrphanFreeDHT(
+        initial_peers=initial_peers or None,
+        start=False,
+        record_validators=record_validators(key),
+        ensure_bootstrap_success=False,
+        **kwargs,
+    )
+    dht.identity_key = key
     try:
         dht.run_in_background(await_ready=True, timeout=timeout)
     except TimeoutError:
@@ -77,18 +101,27 @@ def start_dht(
             ) from None
         if "already taken" in str(error):
             raise JoinError(f"identity {identity} is already used by another running peer") from None
+        if "address already in use" in str(error) or "failed to listen" in str(error):
+            raise ListenError(
+                f"cannot listen on {' '.join(host_maddrs)}: the port is in use (another island?); pass another "
+                "port in --host-maddrs, or port 0 for any free one"
+            ) from None
         raise JoinError(f"could not start the DHT node: {reason}") from None
     return dht
 
 
-def join_dht(network: NetworkConfig) -> OrphanFreeDHT:
-    """Start this island's DHT node from its network config."""
+def join_dht(
+    network: NetworkConfig, extra_peers: list[str] = (), membership: Membership | None = None
+) -> OrphanFreeDHT:
+    """Start this island's DHT node from its network config (plus peers remembered from an earlier run)."""
     return start_dht(
-        initial_peers=network.initial_peers,
+        initial_peers=list(network.initial_peers) + list(extra_peers),
+        client_mode=network.client_mode == "on",
         host_maddrs=network.host_maddrs,
         announce_maddrs=network.announce_maddrs,
         identity=network.identity,
         timeout=network.join_timeout,
+        membership=membership,
     )
 
 

@@ -6,6 +6,8 @@ central server, no fixed world size), and serve their outer state to late joiner
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -21,6 +23,9 @@ from hivemind.utils import get_dht_time
 from p2p_diloco.diloco.staleness import StalenessRule
 from p2p_diloco.net.averager import PseudoGradientAverager, StateProvider
 from p2p_diloco.net.codecs import schema_hash_with_codec
+from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.quiet_logs import quiet_hivemind
+from p2p_diloco.net.records import PROTOCOL_VERSION
 from p2p_diloco.timeouts import RESULT_MARGIN_S, STAGE_POLL_S, STEP_MARGIN_S
 
 
@@ -41,6 +46,17 @@ class ExchangeResult:
     bytes_recv: float = 0.0
     error: str | None = None
     """Why the round gave no merge (no partner, a failed all-reduce...)."""
+
+
+def _start_keeping_sigint(averager: PseudoGradientAverager) -> None:
+    """Start the averager process. hivemind's run_in_background ignores SIGINT in the calling process (meaning
+    the child to inherit it): give this process its own handler back, or Ctrl-C would stop nothing."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        averager.run_in_background(await_ready=True)
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, handler)
 
 
 class GossipExchange:
@@ -64,13 +80,21 @@ class GossipExchange:
         staleness_rule: StalenessRule | None = None,
         declare_state_period: float = 10.0,
         shutdown_timeout: float = 3.0,
+        client_mode: bool = False,
+        gate: Gate | None = None,
+        robust_merge: str = "none",
+        membership_token: Any = None,
     ):
+        quiet_hivemind()  # before the averager process forks: its normal round failures are ours to report
         self.averager = PseudoGradientAverager(
             size,
             dht=dht,
             prefix=run_id,
             state_provider=state_provider,
             staleness_rule=staleness_rule,
+            gate=gate,
+            robust_merge=robust_merge,
+            token=membership_token,
             target_group_size=target_group_size,
             # hivemind assembles a group of one at once, skipping the grace window; the island merging
             # alone is the timeout path instead.
@@ -82,11 +106,12 @@ class GossipExchange:
             compression=compression or NoCompression(),
             declare_state_period=declare_state_period,
             shutdown_timeout=shutdown_timeout,
+            client_mode=client_mode,
             start=False,
         )
         # Matchmaking refuses islands whose schema differs, so naming the codec in it keeps codecs apart.
-        self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec)
-        self.averager.run_in_background(await_ready=True)
+        self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec, PROTOCOL_VERSION)
+        _start_keeping_sigint(self.averager)
         self.min_matchmaking_time = min_matchmaking_time
         self.size = size
         self._schema_tag: int | None = None
@@ -156,15 +181,25 @@ class GossipExchange:
         return result
 
     def load_state(
-        self, timeout: float, peers: Sequence[str] | None = None
+        self,
+        timeout: float,
+        peers: Sequence[str] | None = None,
+        *,
+        shapes: Sequence[tuple[int, ...]] | None = None,
+        fingerprint: str | None = None,
+        max_step: int | None = None,
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """Download the outer state from the given peers, or from the best state donor of the run."""
+        """The outer state most of the given peers (or of the run's state donors) agree on, checked against the
+        model's `shapes` and `fingerprint` and not past `max_step`; None when no donor delivers one."""
         peer_ids = None if peers is None else [PeerID.from_base58(peer) for peer in peers]
-        return self.averager.load_state_from(peer_ids, timeout)
+        return self.averager.load_state_from(
+            peer_ids, timeout, shapes=shapes, fingerprint=fingerprint, max_step=max_step
+        )
 
     def set_state_priority(self, priority: float) -> None:
-        """Higher priority makes this island the preferred donor for late joiners."""
-        self.averager.state_sharing_priority = priority
+        """Higher priority makes this island the preferred donor for late joiners (client mode shares no state)."""
+        if not self.averager.client_mode:
+            self.averager.state_sharing_priority = priority
 
     def shutdown(self) -> None:
         """Stop the averager process."""

@@ -135,6 +135,16 @@ def latest_checkpoint(directory: str | os.PathLike) -> Path | None:
     return None
 
 
+def unusable_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """Checkpoints in the folder that have a sidecar which does not match (the corrupt ones)."""
+    corrupt = []
+    for _, path in _list_checkpoints(Path(directory)):
+        expected = _read_sidecar(path)
+        if expected is not None and _sha256_file(path) != expected:
+            corrupt.append(path)
+    return corrupt
+
+
 def load_checkpoint(path: str | os.PathLike, map_location: Any = "cpu") -> dict:
     """Loads a checkpoint (weights_only=True) after checking its sidecar; CheckpointError if corrupt."""
     path = Path(path)

@@ -41,6 +41,8 @@ def _read_capped(files: list[Path], max_bytes: int) -> bytes:
         if total >= max_bytes:
             break
         data = file.read_bytes()[: max_bytes - total]
+        if b"\x00" in data[:65536]:
+            raise DataError(f"{file} looks binary (it holds NUL bytes); point --data at text files")
         chunks.append(data)
         total += len(data)
     return b"".join(chunks)

@@ -1,0 +1,106 @@
+"""What an island tells the swarm about its progress: the latest figures and a short history of rounds."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from p2p_diloco import __version__
+from p2p_diloco.net.records import PROTOCOL_VERSION
+
+logger = logging.getLogger(__name__)
+
+HISTORY = 24
+"""Rounds kept in an island's record (each a few dozen bytes; DHT values must stay a few KB)."""
+CUT_OFF_WARNING_ROUNDS = 5
+"""Warn every this many rounds an island spends alone while others of its run are announced."""
+
+
+def _rounded(value: Any, digits: int = 4) -> Any:
+    return round(value, digits) if isinstance(value, float) else value
+
+
+class Progress:
+    """Recent rounds of one island, from its metrics records."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.rounds: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self._tokens_per_s: float | None = None
+        self._alone = 0
+        self._warned: set[tuple[str, str]] = set()
+
+    def add(self, record: dict[str, Any]) -> None:
+        """Remember one round's metrics."""
+        if self.rounds and record.get("round_s"):
+            gained = record["tokens"] - self.rounds[-1]["tokens"]
+            self._tokens_per_s = gained / record["round_s"] if gained > 0 else self._tokens_per_s
+        self.rounds.append(
+            {
+                "outer_step": record["outer_step"],
+                "loss": _rounded(record.get("loss")),
+                "eval_loss": _rounded(record.get("eval_loss")),
+                "partners": record.get("partners", 0),
+                "merged": bool(record.get("merged")),
+                "resynced": bool(record.get("resynced")),
+                "bytes": int((record.get("bytes_sent") or 0) + (record.get("bytes_recv") or 0)),
+                "time": round(record.get("time", 0.0), 2),
+                "tokens": record["tokens"],
+            }
+        )
+
+    def announcement(self, identity: dict[str, Any], outer_step: int, trainer: Any, reachability: Any) -> dict:
+        """An island's record in the run: who it is, where it is, its recent rounds (bounded to a few KB)."""
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "version": __version__,
+            **identity,
+            "outer_step": outer_step,
+            "step_time_s": trainer.step_time_s,
+            "maddrs": [] if reachability is None else reachability.maddrs[:4],
+            "reachability": None if reachability is None else reachability.mode,
+            "tokens": trainer.tokens,
+            "time": time.time(),
+            **self.latest(),
+            "history": self.history(),
+        }
+
+    def latest(self) -> dict[str, Any]:
+        """The last round's loss, eval loss and partners, and the recent tokens per second."""
+        last = self.rounds[-1] if self.rounds else {}
+        return {
+            "loss": last.get("loss"),
+            "eval_loss": last.get("eval_loss"),
+            "partners": last.get("partners"),
+            "tokens_per_s": _rounded(self._tokens_per_s, 1),
+        }
+
+    def history(self) -> list[list[Any]]:
+        """[outer step, eval loss, partners, merged, resynced, bytes, time] per recent round, oldest first."""
+        return [
+            [r["outer_step"], r["eval_loss"], r["partners"], r["merged"], r["resynced"], r["bytes"], r["time"]]
+            for r in self.rounds
+        ]
+
+    def warn_once(self, peer: str, what: str) -> None:
+        """Name an island that announced something impossible, once per island and kind."""
+        if (peer, what) not in self._warned:
+            self._warned.add((peer, what))
+            logger.warning(f"island {peer} {what}")
+
+    def cut_off(self, record: dict[str, Any], link: Any, swarm_view: dict[str, dict[str, Any]]) -> str | None:
+        """A warning every few rounds in which islands of the run are announced but none averaged with us."""
+        alone = link.online and record["partners"] == 0 and not record["resynced"] and bool(swarm_view)
+        self._alone = self._alone + 1 if alone else 0
+        if not self._alone or self._alone % CUT_OFF_WARNING_ROUNDS:
+            return None
+        kinds = sorted({str(info.get("reachability")) for info in swarm_view.values()})
+        own = link.reachability.mode if link.reachability is not None else "unknown"
+        return (
+            f"{len(swarm_view)} other islands of run {self.run_id!r} are announced ({', '.join(kinds)}), but none "
+            f"averaged with this island in the last {self._alone} rounds; check that they can reach each other: this "
+            f"island is {own} (try --relay only, --announce-maddrs with a forwarded port, or a longer "
+            "--averaging-timeout on a slow link)"
+        )

@@ -1,0 +1,86 @@
+"""Clean stops: the first Ctrl-C or SIGTERM asks for a stop at the next safe point, a second one stops at once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+"""The shell's conventions: 128 + the signal number."""
+
+
+class Stopped(BaseException):
+    """Raised where a stop signal arrived outside a deferring section (nothing to save there)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+        self.exit_code = EXIT_CODES.get(signum, 128 + signum)
+
+
+class GracefulStop:
+    """Turns SIGINT and SIGTERM into a request that long-running work checks at its safe points.
+
+    Inside `deferred()` the first signal only sets `requested` (the work finishes or discards its round, writes
+    its checkpoint and shuts its daemons down); outside it, or at the second signal, the process stops at once:
+    `Stopped` is raised, or on a second signal the process exits immediately (its hivemind children follow
+    through their parent-death signal).
+    """
+
+    def __init__(self, what: str = "p2p-diloco"):
+        self.what = what
+        self.signum: int | None = None
+        self._deferring = False
+        self._event = threading.Event()
+
+    def install(self) -> GracefulStop:
+        """Handle SIGINT and SIGTERM in this (main) thread from now on."""
+        for signum in EXIT_CODES:
+            signal.signal(signum, self._handle)
+        return self
+
+    @property
+    def requested(self) -> bool:
+        """True once a stop was asked for."""
+        return self.signum is not None
+
+    @property
+    def exit_code(self) -> int:
+        """130 after SIGINT, 143 after SIGTERM."""
+        return EXIT_CODES.get(self.signum, 1) if self.signum is not None else 0
+
+    @property
+    def name(self) -> str:
+        """SIGINT or SIGTERM."""
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` seconds, waking as soon as a stop is requested; True if one was."""
+        return self._event.wait(timeout)
+
+    @contextmanager
+    def deferred(self) -> Iterator[None]:
+        """A section where the first signal only requests a stop."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.signum is not None:
+            print(f"{self.what}: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
+            os._exit(EXIT_CODES.get(signum, 128 + signum))
+        self.signum = signum
+        self._event.set()
+        if not self._deferring:
+            raise Stopped(signum)
+        print(
+            f"{self.what}: {self.name}: stopping at the next safe point (again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
