@@ -145,6 +145,20 @@ def attacks(data: dict) -> str:
     )
 
 
+def internet(data: dict) -> str:
+    """Join time and seconds per round, direct vs relayed islands on separate hosts."""
+    rows = []
+    for name in ("direct", "relayed"):
+        figures = data[name]["summary"]
+        rows.append([name, figures["join_s"], figures["first_record_s"], figures["round_s"], figures["merged_rounds"]])
+    ratios = data["ratios"]
+    return (
+        _table(["islands", "join s", "first record s", "s per round", "merged rounds"], rows)
+        + f"\n\nRelayed / direct: join x{ratios['join_relayed_over_direct']:.2f}, "
+        f"seconds per round x{ratios['round_relayed_over_direct']:.2f}."
+    )
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("quality", "Quality vs data-parallel", quality),
     ("exchange", "Exchange speed", exchange),
@@ -154,6 +168,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("bandwidth", "Bandwidth vs data-parallel", bandwidth),
     ("utilization", "Compute utilization on a slow link", utilization),
     ("attacks", "Attacks on a swarm, defences off and on", attacks),
+    ("internet", "Direct vs relayed islands on separate hosts", internet),
 ]
 
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import shlex
 from pathlib import Path
 
+import benchmarks_path  # noqa: F401
 import pytest
 from conftest import TINY, LocalSwarm, wait_until
-from netns import Internet, available
+from lib.netns import Internet, available
 
 REASON = available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"separate hosts need network namespaces: {REASON}")
