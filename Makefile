@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint clean bench bench-quick
+.PHONY: setup demo test lint clean bench bench-quick readme-map
 BENCHMARKS := $(filter-out benchmarks/report.py,$(sort $(wildcard benchmarks/*.py)))
 
 setup: $(STAMP)
@@ -30,6 +30,9 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	for script in $(BENCHMARKS); do $(BIN)/python $$script --quick --out runs/bench-quick || exit 1; done
+
+readme-map:
+	$(PYTHON) scripts/readme_map.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .

@@ -9,11 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco.diloco.grace import GRACE_MODES
-from p2p_diloco.diloco.merge import MERGE_RULES
-from p2p_diloco.diloco.quantize import CODEC_NAMES
-from p2p_diloco.diloco.robust import ROBUST_MERGES
-from p2p_diloco.errors import UserError
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.validation import (  # noqa: F401 - the constants are part of the config's public names
+    CLIENT_MODES,
+    MODEL_KINDS,
+    OUTER_DEVICES,
+    PRECISIONS,
+    RELAY_MODES,
+    resolve_paths,
+    validate_config,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,19 +30,24 @@ else:  # pragma: no cover
 # of 30 state downloads of 176 KB, 2 arrived whole, 5 truncated, 23 timed out, against 30 of 30 over TCP.
 # Add "/ip4/0.0.0.0/udp/0/quic-v1" to --host-maddrs to try it anyway.
 LISTEN_EVERYWHERE = ("/ip4/0.0.0.0/tcp/0",)
-RELAY_MODES = ("auto", "off", "only")
-CLIENT_MODES = ("auto", "on", "off")
 """Every interface, TCP, on a port the system picks."""
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value the user must fix; the message says what."""
 
 
 @dataclass
 class ModelConfig:
-    """Shape of the byte-level decoder-only transformer every island of a run must share."""
+    """The model every island of a run must share: the built-in GPT (shaped by the fields below), a transformers
+    causal LM, or your own nn.Module."""
 
+    kind: str = "gpt"
+    """'gpt': the built-in byte-level GPT; 'hf': a transformers causal LM built from `config`; 'module': the
+    nn.Module that `factory` returns."""
+    config: str | None = None
+    """kind 'hf': a local transformers config.json, or a folder holding one (never downloaded)."""
+    init_from: str | None = None
+    """kind 'hf': local weights to start from, a .safetensors file or a model folder (never downloaded)."""
+    factory: str | None = None
+    """kind 'module': 'package.module:function' returning an nn.Module whose forward(input_ids, labels) returns a
+    loss, an object with .loss, or (logits, loss); labels[i, t] is the token that follows input_ids[i, t]."""
     vocab_size: int = 256
     """Byte-level tokens: always 256 unless you bring your own tokenizer."""
     seq_len: int = 64
@@ -67,7 +77,17 @@ class DataConfig:
     eval_batches: int = 4
     """Batches of the held-out text averaged into eval_loss."""
     max_bytes: int = 4_000_000
-    """Cap on the corpus size, so that loading stays fast."""
+    """Cap on the corpus size of the built-in byte pipeline (text files with tokenizer 'bytes')."""
+    tokenizer: str = "bytes"
+    """'bytes' (one token per byte), a tokenizer.json file (the tokenizers library) or a local tokenizer folder."""
+    text_field: str = "text"
+    """The field that holds the text in .jsonl/.json/.parquet files."""
+    streaming: bool = False
+    """Read the corpus as a stream instead of preparing it in the Arrow cache first (corpora larger than disk)."""
+    cache_dir: str | None = None
+    """Where Hugging Face datasets keeps its memory-mapped Arrow cache (default: its own, ~/.cache/huggingface)."""
+    eos_token: str | None = None
+    """The end-of-text token put between documents (default: the tokenizer's own, e.g. <|endoftext|> or </s>)."""
 
 
 @dataclass
@@ -110,6 +130,18 @@ class TrainConfig:
     """τ: inner steps a fragment's exchange runs in the background before its update lands (0: blocking)."""
     mix_alpha: float = 0.5
     """α: with overlap, a landed fragment becomes α·θ_local + (1 − α)·θ_merged."""
+    device: str = "auto"
+    """Where the model trains: auto (CUDA when present, else CPU), cpu, cuda, cuda:N or mps."""
+    precision: str = "auto"
+    """fp32, bf16 or fp16 (autocast; fp16 with a gradient scaler); auto is bf16 on GPUs that support it, else fp32."""
+    outer_device: str = "cpu"
+    """Where the anchor and outer momentum live (fp32): 'cpu' (pinned memory on CUDA) or 'same' as the model."""
+    compile: bool = False
+    """torch.compile the model."""
+    grad_accum: int = 1
+    """Micro-batches of batch_size sequences per inner step (gradients accumulated)."""
+    activation_checkpointing: bool = False
+    """Recompute activations in the backward pass: less memory, about a third more compute."""
 
 
 @dataclass
@@ -217,6 +249,11 @@ class PeerConfig:
     """Logging level of p2p-diloco's own messages."""
     fresh: bool = False
     """Start over: ignore the checkpoints in --checkpoint-dir (needed when every one of them is corrupt)."""
+    tensorboard: str | None = None
+    """Also write every numeric metric as a TensorBoard scalar under this folder."""
+    wandb: str | None = None
+    """Also log every numeric metric to this Weights & Biases project (pip install p2p-diloco[wandb];
+    WANDB_MODE=offline works without a network)."""
 
 
 SECTIONS = ("model", "data", "train", "network")
@@ -282,6 +319,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         except tomllib.TOMLDecodeError as error:
             raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
         _apply(config, values, "")
+        resolve_paths(config, values, path.parent)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
@@ -294,80 +332,6 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
         _apply(target, {leaf: value}, ".".join(parents))
     validate_config(config)
     return config
-
-
-def validate_config(config: PeerConfig) -> None:
-    """Reject values that cannot work, with a message that says what to change."""
-    model, train, network = config.model, config.train, config.network
-    if model.d_model % model.n_heads:
-        raise ConfigError(f"model.d_model={model.d_model} must be divisible by model.n_heads={model.n_heads}")
-    for name, value in (("train.lr", train.lr), ("train.outer_lr", train.outer_lr)):
-        if not value > 0:
-            raise ConfigError(f"{name}={value} must be a positive learning rate")
-    if train.weight_decay < 0 or train.grad_clip < 0:
-        raise ConfigError("train.weight_decay and train.grad_clip must be >= 0")
-    if not 0 < network.staleness_discount <= 1 or network.max_staleness < 0 or network.ban_rounds < 0:
-        raise ConfigError("network.staleness_discount must be in (0, 1], max_staleness and ban_rounds >= 0")
-    names = [f.name for f in dataclasses.fields(network)]
-    bounds = [n for n in names if n.endswith(("_timeout", "_time", "_ttl"))]
-    if bad := [n for n in bounds if not getattr(network, n) > 0] + [
-        n for n in names if n.endswith("_s") and not getattr(network, n) >= 0
-    ]:
-        raise ConfigError(f"network.{bad[0]}={getattr(network, bad[0])} must be a positive number of seconds")
-    _check_paths(config)
-    if train.inner_steps < 1 or train.outer_steps < 1 or train.batch_size < 1:
-        raise ConfigError("train.inner_steps, train.outer_steps and train.batch_size must be >= 1")
-    if not 0 <= train.outer_momentum < 1:
-        raise ConfigError(f"train.outer_momentum={train.outer_momentum} must be in [0, 1)")
-    if network.request_timeout >= network.min_matchmaking_time:
-        raise ConfigError("network.request_timeout must be smaller than network.min_matchmaking_time")
-    if network.quorum < 1 or network.target_group_size < network.quorum:
-        raise ConfigError("network.target_group_size must be >= network.quorum >= 1")
-    for name, value, choices in (
-        ("network.relay", network.relay, RELAY_MODES),
-        ("network.client_mode", network.client_mode, CLIENT_MODES),
-        ("network.grace", network.grace, GRACE_MODES),
-        ("network.merge", network.merge, MERGE_RULES),
-        ("network.codec", network.codec, CODEC_NAMES),
-        ("network.robust_merge", network.robust_merge, ("auto", *ROBUST_MERGES)),
-    ):
-        if value not in choices:
-            raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
-    if train.slowdown < 1 or train.momentum_every < 1:
-        raise ConfigError("train.slowdown and train.momentum_every must be >= 1")
-    if train.fragments < 1 or train.fragments > train.inner_steps:
-        raise ConfigError(f"train.fragments={train.fragments} must be in [1, train.inner_steps={train.inner_steps}]")
-    if not 0 <= train.overlap_steps <= train.inner_steps // train.fragments:
-        raise ConfigError(
-            f"train.overlap_steps={train.overlap_steps} must be in [0, inner_steps / fragments = "
-            f"{train.inner_steps // train.fragments}]: an exchange must land before the next one starts"
-        )
-    if not 0 <= train.mix_alpha <= 1:
-        raise ConfigError(f"train.mix_alpha={train.mix_alpha} must be in [0, 1]")
-    if train.fragments > 1 and train.momentum_every > 1:
-        raise ConfigError("Delayed Nesterov (train.momentum_every > 1) does not combine with train.fragments > 1")
-    if network.error_feedback and network.merge == "rda":
-        raise ConfigError("network.error_feedback does not combine with network.merge = 'rda'")
-    if "." in network.run_id or not network.run_id:
-        raise ConfigError(f"run id {network.run_id!r} must be non-empty and contain no '.'")
-    if config.data.num_shards < 1:
-        raise ConfigError("data.num_shards must be >= 1")
-    if config.data.shard_index is not None and not 0 <= config.data.shard_index < config.data.num_shards:
-        raise ConfigError(f"data.shard_index must be in [0, {config.data.num_shards})")
-
-
-def _check_paths(config: PeerConfig) -> None:
-    """Output paths that point at the wrong kind of thing."""
-    if config.metrics and Path(config.metrics).is_dir():
-        raise ConfigError(f"--metrics {config.metrics} is a folder; give a file path such as runs/island.jsonl")
-    if config.checkpoint_dir and Path(config.checkpoint_dir).exists() and not Path(config.checkpoint_dir).is_dir():
-        raise ConfigError(f"--checkpoint-dir {config.checkpoint_dir} is a file; give a folder for the checkpoints")
-    for name in ("membership", "revoked"):
-        path = getattr(config.network, name)
-        if path and not Path(path).is_file():
-            raise ConfigError(f"--{name} {path} does not exist")
-    if config.network.membership and not config.network.swarm_public_key:
-        raise ConfigError("--membership needs --swarm-public-key (the owner public key of the private swarm)")
 
 
 def to_dict(config: PeerConfig) -> dict[str, Any]:

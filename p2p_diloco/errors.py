@@ -18,3 +18,7 @@ class NetworkUnreachableError(UserError):
     """The swarm (its initial peers) could not be reached."""
 
     exit_code = EXIT_NETWORK
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value the user must fix; the message says what."""

@@ -20,7 +20,7 @@ LAYERS = {
     "island": {"diloco", "train", "net"},
     "cli": {"diloco", "train", "net", "island"},
 }
-TOP_LEVEL = {"config", "errors", "files", "process", "signals", "timeouts"}
+TOP_LEVEL = {"config", "errors", "files", "process", "signals", "timeouts", "validation"}
 """Modules at the top of the package that every layer may use; they import no layer but `diloco`."""
 
 
@@ -32,10 +32,16 @@ def _modules() -> dict[str, Path]:
     }
 
 
-def _imports(path: Path) -> set[str]:
-    """Every module name imported anywhere in the file (function-level imports included)."""
+def _imports(path: Path, *, typing_only: bool = True) -> set[str]:
+    """Every module name imported anywhere in the file (function-level imports included; with `typing_only`
+    False, not those under `if TYPE_CHECKING:`, which never run)."""
+    tree = ast.parse(path.read_text())
+    if not typing_only:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+                node.body = []
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -75,7 +81,8 @@ def test_the_math_imports_no_networking() -> None:
 def test_no_import_cycles() -> None:
     modules = _modules()
     graph = {
-        module: {name if name in modules else name.rsplit(".", 1)[0] for name in _imports(path)} & set(modules)
+        module: {name if name in modules else name.rsplit(".", 1)[0] for name in _imports(path, typing_only=False)}
+        & set(modules)
         for module, path in modules.items()
     }
     for module in graph:
@@ -121,3 +128,13 @@ def test_public_api_resolves() -> None:
 
     for name in p2p_diloco.__all__:
         assert getattr(p2p_diloco, name) is not None, name
+
+
+def test_the_readme_map_is_current() -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("readme_map", REPO / "scripts" / "readme_map.py")
+    readme_map = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(readme_map)
+    readme = (REPO / "README.md").read_text()
+    assert readme_map.with_map(readme, REPO) == readme, "the README's layout map is stale: run make readme-map"

@@ -11,7 +11,12 @@ from typing import Any
 from p2p_diloco import config as config_module
 from p2p_diloco.config import PeerConfig
 
-FLAG_ALIASES = {"data.path": "data"}
+FLAG_ALIASES = {
+    "data.path": "data",
+    "model.kind": "model-kind",
+    "model.config": "model-config",
+    "model.factory": "model-factory",
+}
 """Config fields whose flag name differs from the field name."""
 
 

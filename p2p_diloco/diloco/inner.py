@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,15 +20,16 @@ def default_loss(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) 
 
 
 def make_inner_optimizer(
-    model: nn.Module, lr: float, weight_decay: float, warmup_steps: int
+    model: nn.Module, lr: float, weight_decay: float, warmup_steps: int, *, fused: bool = False
 ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """Inner AdamW with linear warm-up; its state stays on this island."""
+    """Inner AdamW with linear warm-up (fused kernels on CUDA when `fused`); its state stays on this island."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
         betas=(0.9, 0.95),
+        **({"fused": True} if fused else {}),
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / max(1, warmup_steps)))
     return optimizer, scheduler
@@ -68,12 +70,17 @@ def run_inner_steps(
     after_backward: Callable[[torch.Tensor], torch.Tensor] | None = None,
     slowdown: float = 1.0,
     should_stop: Callable[[], bool] | None = None,
+    accumulate: int = 1,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    scaler: torch.amp.GradScaler | None = None,
+    device: torch.device | None = None,
 ) -> InnerResult:
     """Run `steps` local optimizer steps and return their losses.
 
-    `after_backward(loss)` runs between backward and the optimizer step and returns the loss to record (a
-    data-parallel baseline all-reduces the gradients there); `slowdown` > 1 stretches each step (experiments);
-    `should_stop()` is asked before each step and ends the run early when it says so.
+    Each step accumulates the gradients of `accumulate` micro-batches, with the forward pass under `autocast` and,
+    for fp16, the loss scaled by `scaler`. `after_backward(loss)` runs between backward and the optimizer step and
+    returns the loss to record (a data-parallel baseline all-reduces the gradients there); `slowdown` > 1
+    stretches each step (experiments); `should_stop()` is asked before each step and ends the run early.
     """
     if steps <= 0:
         return InnerResult([], 0, 0.0)
@@ -84,18 +91,37 @@ def run_inner_steps(
         if should_stop is not None and should_stop():
             break
         step_start = time.monotonic()
-        inputs, targets = next_batch()
-        loss = loss_function(model, inputs, targets)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if after_backward is not None:
-            loss = after_backward(loss)
-        if grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-        optimizer.step()
+        total = None
+        for _ in range(accumulate):
+            inputs, targets = next_batch()
+            if device is not None:
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+            with autocast():
+                loss = loss_function(model, inputs, targets) / accumulate
+            (loss if scaler is None else scaler.scale(loss)).backward()
+            total = loss.detach() if total is None else total + loss.detach()
+            tokens += inputs.numel()
+        losses.append(total if after_backward is None else after_backward(total))
+        _optimizer_step(model, optimizer, grad_clip, scaler)
         scheduler.step()
-        losses.append(loss.item())
-        tokens += inputs.numel()
         if slowdown > 1:  # emulate slower hardware
             time.sleep((slowdown - 1) * (time.monotonic() - step_start))
-    return InnerResult(losses, tokens, time.monotonic() - start)
+    # One transfer for the whole run: a .item() per step would stall a GPU every step.
+    values = torch.stack(losses).float().cpu().tolist() if losses else []
+    return InnerResult(values, tokens, time.monotonic() - start)
+
+
+def _optimizer_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float, scaler: torch.amp.GradScaler | None
+) -> None:
+    """Clip (the unscaled gradients, with fp16) and step; an fp16 step with inf gradients is skipped by the scaler."""
+    if scaler is not None:
+        scaler.unscale_(optimizer)
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()

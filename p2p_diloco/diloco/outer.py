@@ -54,7 +54,8 @@ class OuterOptimizer:
     @torch.no_grad()
     def step(self, outer_gradient: torch.Tensor) -> torch.Tensor:
         """Apply one outer step with the (merged) pseudo-gradient and return the new anchor."""
-        gradient = outer_gradient.detach().float().reshape_as(self.anchor)
+        # The anchor may live on the model's device (--outer-device same); merges arrive on the CPU.
+        gradient = outer_gradient.detach().float().to(self.anchor.device).reshape_as(self.anchor)
         if self.momentum_every == 1:
             self.anchor.grad = gradient.clone()
             self.optimizer.step()
@@ -78,7 +79,8 @@ class OuterOptimizer:
         """
         if self.momentum_every != 1:
             raise ValueError("Delayed Nesterov (momentum_every > 1) is not supported with fragments")
-        gradient = outer_gradient.detach().float().reshape(-1)
+        gradient = outer_gradient.detach().float().to(self.anchor.device).reshape(-1)
+        index = index.to(self.anchor.device)
         state = self.optimizer.state[self.anchor]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(self.anchor.data)
@@ -99,13 +101,14 @@ class OuterOptimizer:
     @torch.no_grad()
     def load(self, anchor: torch.Tensor, momentum: torch.Tensor | None) -> None:
         """Replace anchor and momentum, e.g. with a state downloaded from a peer."""
-        self.anchor.data.copy_(anchor.reshape_as(self.anchor))
+        self.anchor.data.copy_(anchor.reshape(self.anchor.shape))
         self.pending, self.pending_count = None, 0
         state = self.optimizer.state[self.anchor]
         if momentum is None:
             state.pop("momentum_buffer", None)
         else:
-            state["momentum_buffer"] = momentum.detach().float().reshape_as(self.anchor).clone()
+            momentum = momentum.detach().float().reshape(self.anchor.shape)
+            state["momentum_buffer"] = momentum.to(self.anchor.device, copy=True)
 
     def state_dict(self) -> dict[str, Any]:
         """Anchor and momentum as plain tensors."""

@@ -19,7 +19,6 @@ from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.error_feedback import ErrorFeedback
 from p2p_diloco.diloco.fragments import Fragment, fragment_for_step, fragment_layout
 from p2p_diloco.diloco.grace import GraceWindow
-from p2p_diloco.diloco.inner import dynamic_inner_steps
 from p2p_diloco.diloco.merge import is_finite
 from p2p_diloco.diloco.outer import pseudo_gradient
 from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
@@ -35,9 +34,9 @@ from p2p_diloco.island.trainer import LocalTrainer, run_fingerprint
 from p2p_diloco.net.exchange import ExchangeResult
 from p2p_diloco.signals import GracefulStop
 from p2p_diloco.timeouts import SEARCH_MARGIN_S
-from p2p_diloco.train.data import load_shards
 from p2p_diloco.train.metrics import MetricsWriter
 from p2p_diloco.train.model import count_parameters
+from p2p_diloco.train.trackers import trackers
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +52,8 @@ class Island:
         self.connector = connector
         self.stop = stop or GracefulStop()
         torch.set_num_threads(config.train.threads)
-        self.trainer = LocalTrainer(config, load_shards(config.data))
-        self.fingerprint = run_fingerprint(self.trainer.model, config)
+        self.trainer = LocalTrainer(config)
+        self.fingerprint = run_fingerprint(self.trainer.model, config, self.trainer.data.tokenizer)
         train, network = config.train, config.network
         self.state = OuterState(
             self.trainer.weights(),
@@ -130,12 +129,6 @@ class Island:
             logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
         return self.swarm_view
 
-    def _planned_inner_steps(self) -> int:
-        """H, or with dynamic local updates fewer for a slower island (`dynamic_inner_steps`)."""
-        others = [info.get("step_time_s") for info in self.swarm_view.values()]
-        train = self.config.train
-        return dynamic_inner_steps(train.inner_steps, self.trainer.step_time_s, others, enabled=train.dynamic_steps)
-
     # ----- one round ----------------------------------------------------------------------------------------
     def _round(self) -> dict[str, Any] | None:
         """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record.
@@ -148,7 +141,8 @@ class Island:
         """
         train = self.config.train
         round_start = time.monotonic()
-        steps = max(1, self._planned_inner_steps() // train.fragments)
+        planned = self.trainer.planned_steps([info.get("step_time_s") for info in self.swarm_view.values()])
+        steps = max(1, planned // train.fragments)
 
         # Inner steps; an exchange in flight lands τ steps in.
         early = min(train.overlap_steps, steps) if self.pending is not None else 0
@@ -191,7 +185,7 @@ class Island:
     ) -> Contribution:
         """This round's pseudo-gradient of `fragment` with the metadata its partners weigh it by."""
         network = self.config.network
-        delta = fragment.take(pseudo_gradient(self.state.anchor, self.trainer.weights()))
+        delta = fragment.take(pseudo_gradient(self.state.anchor, self.trainer.weights())).cpu()  # the wire is on CPU
         if not is_finite(delta):
             logger.warning("local training produced NaN/inf; dropping this round's local progress")
             delta = torch.zeros_like(delta)
@@ -329,13 +323,14 @@ class Island:
             transport=transport,
         )
         record.update(eval_loss=eval_loss, eval_s=eval_s, round_s=time.monotonic() - round_start)
+        record["gpu_mem_gb"] = self.trainer.memory_gb()
         return record
 
     # ----- the whole run ------------------------------------------------------------------------------------
     def run(self) -> int:
         """Train until the swarm's outer step reaches train.outer_steps; returns the number of rounds run."""
         config = self.config
-        metrics = MetricsWriter(config.metrics)
+        metrics = MetricsWriter(config.metrics, trackers(config.tensorboard, config.wandb))
         try:
             self._connect()
             self.trainer.open_stream(self.peer_id)
@@ -343,7 +338,8 @@ class Island:
             start_digest = self.state.digest()
             logger.info(
                 f"island {self.peer_id} joined run {config.network.run_id!r} in {self.link.join_s:.1f}s; "
-                f"{count_parameters(self.trainer.model):,} parameters, starting from {origin} "
+                f"{count_parameters(self.trainer.model):,} parameters on {self.trainer.device} "
+                f"({self.trainer.precision.name}), {self.trainer.shard}, starting from {origin} "
                 f"(outer step {self.outer_step}, anchor {start_digest})"
             )
             start_step, rounds = self.outer_step, 0
@@ -374,6 +370,7 @@ class Island:
                 rounds += 1
             return rounds
         finally:
+            metrics.close()
             self.link.close(linger=not self.stopping)
 
     def _land_last(self, metrics: MetricsWriter, last_loss: float, start_step: int) -> None:

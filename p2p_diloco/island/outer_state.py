@@ -51,7 +51,7 @@ class OuterState:
     def for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs."""
         with self.lock:
-            tensors = [tensor.clone() for tensor in self.tensors()]
+            tensors = [tensor.to("cpu", copy=True) for tensor in self.tensors()]
             step = self.outer_step
         metadata = {
             "outer_step": step,
@@ -77,10 +77,11 @@ class OuterState:
         """Replace one fragment's anchor and momentum with a donor's (from its whole state `tensors`)."""
         anchor, momentum = tensors[0], tensors[1]
         with self.lock:
-            fragment.put(self.optimizer.anchor.data, fragment.take(anchor))
+            device = self.optimizer.anchor.device
+            fragment.put(self.optimizer.anchor.data, fragment.take(anchor).to(device))
             state = self.optimizer.optimizer.state[self.optimizer.anchor]
             buffer = state.setdefault("momentum_buffer", torch.zeros_like(self.optimizer.anchor.data))
-            fragment.put(buffer, fragment.take(momentum))
+            fragment.put(buffer, fragment.take(momentum).to(device))
 
     def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor], source: str) -> None:
         """Load a state downloaded from `source`, refusing one of another model."""
@@ -105,8 +106,8 @@ class OuterState:
         """A consistent copy for a checkpoint."""
         with self.lock:
             return {
-                "anchor": self.anchor.clone(),
-                "outer_tensors": [tensor.clone() for tensor in self.tensors()],
+                "anchor": self.anchor.to("cpu", copy=True),
+                "outer_tensors": [tensor.to("cpu", copy=True) for tensor in self.tensors()],
                 "outer_step": self.outer_step,
                 "fingerprint": self.fingerprint,
             }

@@ -1,42 +1,70 @@
-"""An island's local training: the model, its inner AdamW and schedule, its batches, and the held-out eval."""
+"""An island's local training: the model on its device, its inner AdamW and schedule, its batches, the eval.
+
+The outer loop sees the model only as one flat fp32 vector. On CUDA (with --outer-device cpu, the default) that
+vector lives in pinned host memory and every copy runs per parameter, asynchronously, so no second full copy of
+the model is ever made on the GPU.
+"""
 
 from __future__ import annotations
 
-import json
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import Any
 
 import torch
 
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.fragments import Fragment
-from p2p_diloco.diloco.inner import InnerResult, make_inner_optimizer, run_inner_steps
-from p2p_diloco.diloco.outer import assign_parameters_, flatten_parameters
-from p2p_diloco.train.data import BatchStream, Shards, data_seed, evaluate
-from p2p_diloco.train.model import build_model, model_fingerprint
+from p2p_diloco.diloco.inner import InnerResult, dynamic_inner_steps, make_inner_optimizer, run_inner_steps
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.train.data import evaluate_batches
+from p2p_diloco.train.devices import Precision, host_buffer, memory_gb, resolve_device, resolve_precision
+from p2p_diloco.train.model import build_model, model_fingerprint, model_identity, model_vocab_size
+from p2p_diloco.train.sources import Stream, TrainingData, prepare_data
+from p2p_diloco.train.tokenizer import Tokenizer
 
 
-def run_fingerprint(model: torch.nn.Module, config: PeerConfig) -> str:
-    """Identifies what islands must share: parameter names and shapes, the model config, the exchange schema."""
+def run_fingerprint(model: torch.nn.Module, config: PeerConfig, tokenizer: Tokenizer | None = None) -> str:
+    """Identifies what islands must share: parameter names and shapes, the model config, the tokenizer, the schema."""
     schema = "rda" if config.network.merge == "rda" else "flat"
-    text = model_fingerprint(model) + json.dumps(asdict(config.model), sort_keys=True) + schema
+    text = model_fingerprint(model) + model_identity(config.model) + schema
+    if tokenizer is not None and tokenizer.fingerprint != "bytes":
+        text += f"|tokenizer:{tokenizer.fingerprint}"
     return f"{zlib.crc32(text.encode()):08x}{model_fingerprint(model)[:8]}"
+
+
+def check_vocabulary(model: torch.nn.Module, tokenizer: Tokenizer, config: PeerConfig) -> None:
+    """A tokenizer whose ids the model cannot embed is a one-line error naming both sizes."""
+    size = model_vocab_size(model)
+    if size is not None and tokenizer.vocab_size > size:
+        where = "vocab_size in --model-config" if config.model.kind == "hf" else "[model] vocab_size"
+        raise ConfigError(
+            f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but the model embeds only {size}; "
+            f"set {where} to at least {tokenizer.vocab_size} or use the model's own tokenizer"
+        )
 
 
 class LocalTrainer:
     """Runs inner steps on this island's shard and moves weights in and out of the model as flat vectors."""
 
-    def __init__(self, config: PeerConfig, shards: Shards):
+    def __init__(self, config: PeerConfig, data: TrainingData | None = None):
         self.config = config
-        self.shards = shards
-        self.model = build_model(config.model, seed=config.train.seed)
         train = config.train
+        self.device = resolve_device(train.device)
+        self.precision = Precision(resolve_precision(train.precision, self.device), self.device)
+        self.model = build_model(config.model, seed=train.seed)
+        self.data = data or prepare_data(config)
+        check_vocabulary(self.model, self.data.tokenizer, config)
+        if train.activation_checkpointing:
+            self.model.enable_checkpointing()
+        self.model.to(self.device)
+        self.forward_model = torch.compile(self.model) if train.compile else self.model
         self.optimizer, self.scheduler = make_inner_optimizer(
-            self.model, train.lr, train.weight_decay, train.warmup_steps
+            self.model, train.lr, train.weight_decay, train.warmup_steps, fused=self.device.type == "cuda"
         )
-        self.stream: BatchStream | None = None
+        self.numel = sum(parameter.numel() for parameter in self.model.parameters())
+        self.stream: Stream | None = None
+        self.shard = ""
         self.inner_steps_total = 0
         self.tokens = 0
         self.step_time_s: float | None = None
@@ -44,20 +72,17 @@ class LocalTrainer:
 
     def open_stream(self, peer_id: str) -> None:
         """Start this island's batch stream: its shard, in an order seeded by the shard (or the peer id)."""
-        config = self.config
-        data = config.data
-        tokens = (
-            self.shards.train_shard(data.shard_index or 0, data.num_shards)
-            if data.shard_index is not None
-            else self.shards.train
-        )
-        seed = data_seed(config.train.seed, data.shard_index, peer_id)
-        self.stream = BatchStream(tokens, config.train.batch_size, config.model.seq_len, seed=seed)
+        self.stream, self.shard = self.data.stream(self.config, peer_id)
 
     @property
     def tensor_sizes(self) -> list[int]:
         """Element counts of the parameters, in module order."""
         return [parameter.numel() for parameter in self.model.parameters()]
+
+    def planned_steps(self, others_step_time_s: list[float | None]) -> int:
+        """H, or with dynamic local updates fewer for an island slower than the others (`dynamic_inner_steps`)."""
+        train = self.config.train
+        return dynamic_inner_steps(train.inner_steps, self.step_time_s, others_step_time_s, enabled=train.dynamic_steps)
 
     def train(self, steps: int, should_stop: Callable[[], bool] | None = None) -> InnerResult:
         """Run `steps` inner steps (none for 0; fewer when `should_stop()` says so) and count them."""
@@ -65,7 +90,7 @@ class LocalTrainer:
             return InnerResult([], 0, 0.0)
         train = self.config.train
         result = run_inner_steps(
-            self.model,
+            self.forward_model,
             self.optimizer,
             self.scheduler,
             self.stream.next_batch,
@@ -73,6 +98,10 @@ class LocalTrainer:
             grad_clip=train.grad_clip,
             slowdown=train.slowdown,
             should_stop=should_stop,
+            accumulate=train.grad_accum,
+            autocast=self.precision.autocast,
+            scaler=self.precision.scaler,
+            device=self.device,
         )
         done = len(result.losses)
         if done:
@@ -81,13 +110,33 @@ class LocalTrainer:
         self.tokens += result.tokens
         return result
 
+    @torch.no_grad()
     def weights(self) -> torch.Tensor:
-        """The model's weights as one flat fp32 vector (a copy)."""
-        return flatten_parameters(self.model.parameters())
+        """The model's weights as one flat fp32 CPU vector (a copy; per parameter, so never a second GPU copy)."""
+        if self.config.train.outer_device == "same" and self.device.type != "cpu":
+            return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+        flat = host_buffer(self.numel, self.device)
+        offset = 0
+        for parameter in self.model.parameters():
+            count = parameter.numel()
+            flat[offset : offset + count].copy_(parameter.detach().reshape(-1), non_blocking=True)
+            offset += count
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return flat
 
+    @torch.no_grad()
     def load_all(self, anchor: torch.Tensor) -> None:
         """Load the whole anchor into the model."""
-        assign_parameters_(self.model.parameters(), anchor)
+        if anchor.numel() != self.numel:
+            raise ValueError(f"flat vector has {anchor.numel()} values, the parameters {self.numel}")
+        offset = 0
+        for parameter in self.model.parameters():
+            count = parameter.numel()
+            parameter.copy_(anchor[offset : offset + count].view_as(parameter), non_blocking=True)
+            offset += count
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the anchor may change once this returns
 
     def load(self, anchor: torch.Tensor, fragment: Fragment, mix_alpha: float | None) -> None:
         """Load a fragment of the anchor into the model, mixed as α·local + (1 − α)·anchor when `mix_alpha` is set."""
@@ -98,24 +147,28 @@ class LocalTrainer:
         if mix_alpha is not None:
             values = fragment.take(local).mul_(mix_alpha).add_(values, alpha=1.0 - mix_alpha)
         fragment.put(local, values)
-        assign_parameters_(self.model.parameters(), local)
+        self.load_all(local)
 
     def evaluate(self) -> float:
-        """Mean loss on the held-out text, the same windows on every island."""
-        config = self.config
-        return evaluate(
-            self.model, self.shards.eval, config.model.seq_len, config.train.batch_size, config.data.eval_batches
-        )
+        """Mean loss on the held-out batches, the same on every island."""
+        return evaluate_batches(self.forward_model, self.data.eval_batches, self.precision.autocast)
+
+    def memory_gb(self) -> float | None:
+        """Peak GPU memory of this island so far (None off CUDA)."""
+        return memory_gb(self.device)
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint needs to resume local training exactly."""
-        return {
+        state = {
             "inner_optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "stream": self.stream.state_dict(),
             "inner_steps_total": self.inner_steps_total,
             "tokens": self.tokens,
         }
+        if self.precision.scaler is not None:
+            state["grad_scaler"] = self.precision.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume local training from `state_dict()`."""
@@ -124,3 +177,5 @@ class LocalTrainer:
         self.stream.load_state_dict(state["stream"])
         self.inner_steps_total = int(state["inner_steps_total"])
         self.tokens = int(state["tokens"])
+        if self.precision.scaler is not None and "grad_scaler" in state:
+            self.precision.scaler.load_state_dict(state["grad_scaler"])

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,11 @@ from p2p_diloco.config import DataConfig
 from p2p_diloco.errors import UserError
 
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+Autocast = Callable[[], contextlib.AbstractContextManager]
+"""Makes the context the forward pass runs in (a precision's autocast)."""
 
 
 class DataError(UserError, ValueError):
@@ -169,24 +175,37 @@ class BatchStream:
         self.batches = int(state["batches"])
 
 
-@torch.no_grad()
-def evaluate(model: nn.Module, eval_tokens: torch.Tensor, seq_len: int, batch_size: int, num_batches: int) -> float:
-    """Mean loss over a fixed, evenly spaced set of eval windows: the same every call and on every island."""
+def eval_windows(eval_tokens: torch.Tensor, seq_len: int, batch_size: int, num_batches: int) -> list[Batch]:
+    """A fixed, evenly spaced set of eval windows: the same every call and on every island."""
     _check_length(eval_tokens, seq_len, "the eval text")
     if batch_size < 1 or num_batches < 1:
         raise DataError(f"batch_size={batch_size} and num_batches={num_batches} must be >= 1")
-    device = next(model.parameters()).device
     last_start = len(eval_tokens) - seq_len - 1
     starts = torch.linspace(0, last_start, batch_size * num_batches, dtype=torch.float64).long()
+    return [_windows(eval_tokens, batch_starts, seq_len) for batch_starts in starts.split(batch_size)]
+
+
+@torch.no_grad()
+def evaluate_batches(
+    model: nn.Module,
+    batches: list[Batch],
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> float:
+    """Mean loss over fixed batches of equal size (so the mean of means is the token mean)."""
+    device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         losses = []
-        for batch_starts in starts.split(batch_size):
-            x, y = _windows(eval_tokens, batch_starts, seq_len)
-            _, loss = model(x.to(device), y.to(device))
+        for x, y in batches:
+            with autocast():
+                _, loss = model(x.to(device, non_blocking=True), y.to(device, non_blocking=True))
             losses.append(loss.item())
     finally:
         model.train(was_training)
-    # Every batch has batch_size windows of seq_len tokens, so the mean of means is the token mean
     return sum(losses) / len(losses)
+
+
+def evaluate(model: nn.Module, eval_tokens: torch.Tensor, seq_len: int, batch_size: int, num_batches: int) -> float:
+    """Mean loss over a fixed, evenly spaced set of eval windows: the same every call and on every island."""
+    return evaluate_batches(model, eval_windows(eval_tokens, seq_len, batch_size, num_batches))

@@ -45,9 +45,11 @@ class MetricsWriter:
     """Appends one JSON object per line to a file (creating parent folders); each line written with a single
     write() + flush() + os.fsync so a crash never leaves a half line that readers choke on."""
 
-    def __init__(self, path: str | os.PathLike | None) -> None:
-        """Opens nothing yet; None disables the writer so callers need no if around write()."""
+    def __init__(self, path: str | os.PathLike | None, trackers: list | None = None) -> None:
+        """Opens nothing yet; None disables the file so callers need no if around write(). `trackers` (TensorBoard,
+        W&B: `p2p_diloco.train.trackers`) get every record too."""
         self.path = Path(path) if path is not None else None
+        self.trackers = list(trackers or [])
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _drop_partial_last_line(self.path)
@@ -58,13 +60,16 @@ class MetricsWriter:
         return self.path is not None
 
     def write(self, record: dict) -> None:
-        """Validates the record and appends it as one JSON line, durably."""
-        if self.path is None:
-            return
+        """Validates the record and appends it as one JSON line, durably (and hands it to the trackers)."""
         missing = [key for key in REQUIRED_KEYS if key not in record]
         if missing:
             raise ValueError(f"metrics record is missing required keys: {', '.join(missing)}")
-        line = json.dumps(_json_safe(record), allow_nan=False, separators=(",", ":")) + "\n"
+        safe = _json_safe(record)
+        for tracker in self.trackers:
+            tracker.log(safe)
+        if self.path is None:
+            return
+        line = json.dumps(safe, allow_nan=False, separators=(",", ":")) + "\n"
         data = line.encode("utf-8")
         # O_APPEND + one os.write per line: concurrent readers see whole lines or nothing of it.
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -76,6 +81,11 @@ class MetricsWriter:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+    def close(self) -> None:
+        """Close the trackers (the JSONL file is never held open)."""
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _drop_partial_last_line(path: Path) -> None:

@@ -1,8 +1,13 @@
-"""A tiny byte-level decoder-only transformer (pre-LayerNorm GPT) that every island of a run shares."""
+"""An island's model: the built-in byte-level GPT (pre-LayerNorm), or a transformers or user model by kind.
+
+Every island model has forward(input_ids, targets) -> (logits, mean cross-entropy), so training, evaluation and
+the outer loop do not care which kind it is.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import json
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +79,16 @@ class TinyGPT(nn.Module):
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         # Weight tying: one matrix embeds bytes and scores them, fewer parameters to average across islands
         self.lm_head.weight = self.tok_emb.weight
+        self.checkpointing = False
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the token embedding."""
+        return self.config.vocab_size
+
+    def enable_checkpointing(self) -> None:
+        """Recompute each block's activations in the backward pass."""
+        self.checkpointing = True
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
@@ -85,7 +100,10 @@ class TinyGPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.checkpointing and self.training:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         logits = self.lm_head(self.ln_f(x))
         loss = None
         if targets is not None:
@@ -101,7 +119,43 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.zeros_(module.bias)
 
 
-def build_model(config: ModelConfig, seed: int) -> TinyGPT:
+GPT_FIELDS = ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "mlp_ratio")
+
+
+def build_model(config: ModelConfig, seed: int) -> nn.Module:
+    """The model of `config.kind`, with weights that depend only on (config, seed); the global RNG is untouched."""
+    if config.kind == "hf":
+        from p2p_diloco.train.hf_model import build_hf_model
+
+        return build_hf_model(config, seed)
+    if config.kind == "module":
+        from p2p_diloco.train.module_model import build_module_model
+
+        return build_module_model(config.factory, seed)
+    return build_gpt(config, seed)
+
+
+def model_identity(config: ModelConfig) -> str:
+    """What islands of one run must agree on about the model besides its parameter shapes (a canonical string)."""
+    if config.kind == "hf":
+        from p2p_diloco.train.hf_model import config_identity, load_hf_config
+
+        return "hf:" + config_identity(load_hf_config(config.config))
+    if config.kind == "module":
+        return f"module:{config.factory}"
+    return json.dumps({name: getattr(config, name) for name in GPT_FIELDS}, sort_keys=True)
+
+
+def model_vocab_size(model: nn.Module) -> int | None:
+    """The model's vocabulary (rows of its input embedding), or None when it does not say."""
+    if isinstance(getattr(model, "vocab_size", None), int):
+        return model.vocab_size
+    inner = getattr(model, "module", None)
+    embeddings = getattr(inner, "get_input_embeddings", None)
+    return embeddings().num_embeddings if callable(embeddings) else None
+
+
+def build_gpt(config: ModelConfig, seed: int) -> TinyGPT:
     """Build a TinyGPT whose weights depend only on (config, seed), leaving the global RNG untouched."""
     # Every island must start from bit-identical weights; forking keeps the caller's RNG stream unchanged
     with torch.random.fork_rng(devices=[]):
