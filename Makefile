@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(BIN)/p2p-diloco swarm --peers 3 --baseline --out runs/demo
 
 test: $(STAMP)
-	$(BIN)/pytest -q tests
+	$(BIN)/pytest -q --durations=15 tests
 
 # Every benchmark prints its figures and writes benchmarks/results/NAME.json and NAME.png.
 bench: $(STAMP)

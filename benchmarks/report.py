@@ -159,6 +159,27 @@ def internet(data: dict) -> str:
     )
 
 
+def throughput(data: dict) -> str:
+    """Island against a plain loop, the outer step by model size, and the GPU figures when there were any."""
+    text = (
+        f"Island / plain loop (tiny Llama, CPU, H = 50, outer step included): **{data['ratio_vs_plain_loop']:.3f}**\n\n"
+        + _table(
+            ["parameters", "outer step ms"], [[f"{r['params'] / 1e6:.1f}M", r["outer_step_ms"]] for r in data["rows"]]
+        )
+    )
+    gpu = data.get("gpu")
+    if not gpu:
+        return text + "\n\nNo GPU on the machine that ran it: no GPU figures."
+    rows = [
+        [name, gpu[f"{name}_tokens_per_s"], gpu[f"{name}_mfu"], gpu["peak_memory_gb"]] for name in ("island", "plain")
+    ]
+    return (
+        text
+        + f"\n\n{gpu['gpu']}, 150M-shaped Llama, bf16:\n\n"
+        + _table(["loop", "tokens/s", "MFU", "peak memory GB"], rows)
+    )
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("quality", "Quality vs data-parallel", quality),
     ("exchange", "Exchange speed", exchange),
@@ -169,6 +190,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("utilization", "Compute utilization on a slow link", utilization),
     ("attacks", "Attacks on a swarm, defences off and on", attacks),
     ("internet", "Direct vs relayed islands on separate hosts", internet),
+    ("throughput", "Island throughput against a plain training loop", throughput),
 ]
 
 

@@ -7,8 +7,8 @@ ratio of their median tokens/s is reported. Then the outer step alone (weights o
 weights in) for models of about 1M, 10M and 50M parameters. On a CUDA machine the same is run for the 150M-shaped
 Llama in bf16, with MFU and peak memory.
 
-    python benchmarks/throughput.py            # 3 alternating repeats, 4 rounds of H = 50 each
-    python benchmarks/throughput.py --quick    # 2 repeats, 2 rounds
+    python benchmarks/throughput.py            # 3 alternating repeats, 10 rounds of H = 50 each
+    python benchmarks/throughput.py --quick    # 2 repeats, 4 rounds
     python benchmarks/throughput.py --smoke    # 1 repeat, 1 round, small models (used by the tests)
 """
 
@@ -35,35 +35,56 @@ SIZES = {"1M": (128, 4), "10M": (384, 6), "50M": (768, 7)}
 """Built-in GPT shapes (d_model, n_layers) of about 1M, 10M and 50M parameters."""
 
 
-def island_config(rounds: int, out: Path) -> PeerConfig:
-    """The tiny Llama, solo, H = 50, `rounds` outer steps, metrics to `out`."""
-    overrides = {"network.solo": True, "train.inner_steps": 50, "train.outer_steps": rounds, "train.threads": 1}
-    overrides |= {"train.batch_size": 16, "train.warmup_steps": 10, "metrics": str(out)}
-    return load_config(TINY_LLAMA, overrides)
+CPU_RUN = {"train.batch_size": 16, "train.warmup_steps": 10, "train.threads": 1}
 
 
-def island_tokens_per_s(rounds: int, out: Path) -> float:
-    """Tokens/s of a solo island over its rounds, evaluation time left out."""
+def island_config(toml: Path, rounds: int, out: Path, overrides: dict) -> PeerConfig:
+    """A solo island of `toml` at H = 50 for `rounds` outer steps, metrics to `out`."""
+    base = {"network.solo": True, "train.inner_steps": 50, "train.outer_steps": rounds, "metrics": str(out)}
+    return load_config(toml, base | overrides)
+
+
+def island_tokens_per_s(toml: Path, rounds: int, out: Path, overrides: dict) -> float:
+    """Median tokens/s of a solo island's rounds (inner steps and outer step, evaluation left out)."""
     out.unlink(missing_ok=True)
-    Island(island_config(rounds, out)).run()
+    Island(island_config(toml, rounds, out, overrides)).run()
     records = read_metrics(out)
-    seconds = sum(r["round_s"] - r["eval_s"] for r in records)
-    return records[-1]["tokens"] / seconds
+    tokens = [r["tokens"] - previous for r, previous in zip(records, [0] + [r["tokens"] for r in records])]
+    return statistics.median(t / (r["round_s"] - r["eval_s"]) for t, r in zip(tokens, records))
 
 
-def plain_tokens_per_s(rounds: int) -> float:
+def plain_tokens_per_s(toml: Path, rounds: int, overrides: dict) -> float:
     """Tokens/s of a bare loop over the same model, batches and optimizer, same number of steps."""
-    config = island_config(rounds, Path("/dev/null"))
-    torch.set_num_threads(1)
+    config = island_config(toml, rounds, Path("/dev/null"), overrides)
+    torch.set_num_threads(config.train.threads)  # as the island does
     trainer = LocalTrainer(config)  # the same model, data and device, without the island around it
     trainer.open_stream("solo")
     model = trainer.model
     optimizer, scheduler = make_inner_optimizer(model, config.train.lr, config.train.weight_decay, 10)
-    steps = rounds * config.train.inner_steps
+    rates = []
+    for _ in range(rounds):  # in chunks of H steps, the island's rounds
+        rates.append(_timed_chunk(trainer, optimizer, scheduler, config))
+    return statistics.median(rates)
+
+
+def _timed_chunk(trainer: LocalTrainer, optimizer, scheduler, config: PeerConfig) -> float:
+    """Tokens/s of H plain inner steps."""
+    model = trainer.model
     start = time.monotonic()
     result = run_inner_steps(
-        model, optimizer, scheduler, trainer.stream.next_batch, steps, grad_clip=config.train.grad_clip
+        model,
+        optimizer,
+        scheduler,
+        trainer.stream.next_batch,
+        config.train.inner_steps,
+        grad_clip=config.train.grad_clip,
+        accumulate=config.train.grad_accum,
+        autocast=trainer.precision.autocast,
+        scaler=trainer.precision.scaler,
+        device=trainer.device,
     )
+    if trainer.device.type == "cuda":
+        torch.cuda.synchronize()
     return result.tokens / (time.monotonic() - start)
 
 
@@ -93,15 +114,15 @@ def _whole(trainer: LocalTrainer):
 
 def main(argv: list[str] | None = None) -> int:
     """Measure, print and write throughput.json."""
-    parser = benchmark_parser(__doc__, quick="2 repeats of 2 rounds", smoke="1 repeat of 1 round, 1M/10M only")
+    parser = benchmark_parser(__doc__, quick="2 repeats of 4 rounds", smoke="1 repeat of 1 round, 1M/10M only")
     args = parser.parse_args(argv)
-    repeats, rounds = (1, 1) if args.smoke else (2, 2) if args.quick else (3, 4)
+    repeats, rounds = (1, 1) if args.smoke else (2, 4) if args.quick else (3, 10)
     runs = args.out / "throughput-runs"
     runs.mkdir(parents=True, exist_ok=True)
     island, plain = [], []
     for repeat in range(repeats):  # alternate, so that machine noise hits both alike
-        plain.append(plain_tokens_per_s(rounds))
-        island.append(island_tokens_per_s(rounds, runs / f"island-{repeat}.jsonl"))
+        plain.append(plain_tokens_per_s(TINY_LLAMA, rounds, CPU_RUN))
+        island.append(island_tokens_per_s(TINY_LLAMA, rounds, runs / f"island-{repeat}.jsonl", CPU_RUN))
         print(f"repeat {repeat + 1}: plain loop {plain[-1]:,.0f} tokens/s, island {island[-1]:,.0f} tokens/s")
     ratio = statistics.median(island) / statistics.median(plain)
     print(f"island / plain loop: {ratio:.3f} (tiny Llama, CPU, H = 50, outer step included)")
@@ -114,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         "island_tokens_per_s": island,
         "plain_tokens_per_s": plain,
         "rows": rows,
-        "gpu": gpu_figures() if torch.cuda.is_available() else None,
+        "gpu": gpu_figures(runs) if torch.cuda.is_available() else None,
         **provenance("throughput.py", argv),
     }
     path = write_result(args.out, "throughput-smoke" if args.smoke else "throughput", result)
@@ -122,11 +143,31 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def gpu_figures() -> dict:
+def gpu_figures(runs: Path) -> dict:
     """The 150M-shaped Llama in bf16 on this GPU: island and plain-loop tokens/s, MFU, peak memory."""
-    from lib.gpu_throughput import measure
+    toml = REPO / "peers" / "llama-150m.toml"
+    overrides = {"train.device": "cuda", "train.precision": "bf16", "train.grad_accum": 1, "train.warmup_steps": 10}
+    overrides |= {"data.eval_batches": 1}
+    config = load_config(toml, overrides)
+    params = LocalTrainer(config).numel
+    torch.cuda.reset_peak_memory_stats()
+    plain = plain_tokens_per_s(toml, 1, overrides)
+    island = island_tokens_per_s(toml, 1, runs / "island-gpu.jsonl", overrides)
+    peak_flops = PEAK_BF16_FLOPS.get(torch.cuda.get_device_name(), None)
+    flops_per_token = 6 * params  # forward and backward, attention left out: the usual lower bound
+    return {
+        "gpu": torch.cuda.get_device_name(),
+        "params": params,
+        "island_tokens_per_s": island,
+        "plain_tokens_per_s": plain,
+        "island_mfu": island * flops_per_token / peak_flops if peak_flops else None,
+        "plain_mfu": plain * flops_per_token / peak_flops if peak_flops else None,
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30,
+    }
 
-    return measure(REPO / "peers" / "llama-150m.toml")
+
+PEAK_BF16_FLOPS = {"NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H200": 989e12, "NVIDIA A100-SXM4-80GB": 312e12}
+"""Dense bf16 peak of the GPUs these runs are likely to see, for MFU."""
 
 
 if __name__ == "__main__":

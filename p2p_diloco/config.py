@@ -67,9 +67,9 @@ class DataConfig:
     """Where text comes from and which shard this island trains on."""
 
     path: str | None = None
-    """A text file or a folder of text files; None uses the built-in corpus (text that ships with Python)."""
+    """A .txt/.md/.jsonl/.json/.parquet file, a folder or a glob of them; None: the built-in corpus."""
     shard_index: int | None = None
-    """This island's shard of the training text; None picks one from the seed."""
+    """This island's shard of the training text; None with num_shards > 1 picks one from the peer id."""
     num_shards: int = 1
     """How many equal shards the training text is cut into."""
     eval_fraction: float = 0.05
