@@ -36,8 +36,10 @@ def swarms_file(explicit: str | os.PathLike | None = None) -> Path:
         return Path(explicit)
     if env := os.environ.get(ENV_VAR):
         return Path(env)
+    from p2p_diloco.shipped import shipped_folder
+
     local = Path("bootstrap/swarms.toml")
-    return local if local.is_file() else Path(__file__).resolve().parents[2] / "bootstrap" / "swarms.toml"
+    return local if local.is_file() else shipped_folder("bootstrap") / "swarms.toml"
 
 
 def load_swarms(path: Path | None = None) -> dict[str, dict[str, Any]]:

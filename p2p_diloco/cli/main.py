@@ -1,10 +1,11 @@
-"""The `p2p-diloco` command: bootstrap, peer, swarm, status, swarms, dashboard. It parses and starts things."""
+"""The `p2p-diloco` command: bootstrap, peer, swarm, status, swarms, dashboard, keys, pull, export, eval."""
 
 from __future__ import annotations
 
 import argparse
 
-from p2p_diloco.cli import bootstrap, dashboard, keys, peer, status, swarm
+from p2p_diloco import __version__
+from p2p_diloco.cli import bootstrap, dashboard, evaluate, export, keys, peer, pull, status, swarm
 from p2p_diloco.errors import EXIT_BAD_INPUT, EXIT_NETWORK
 
 __all__ = ["EXIT_BAD_INPUT", "EXIT_NETWORK", "build_parser", "main"]
@@ -17,6 +18,9 @@ COMMANDS = {
     "swarms": status,
     "dashboard": dashboard,
     "keys": keys,
+    "pull": pull,
+    "export": export,
+    "eval": evaluate,
 }
 """Each command's module: `add_parser(subparsers)` and `run(args) -> exit code`."""
 
@@ -24,6 +28,7 @@ COMMANDS = {
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every subcommand."""
     parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"p2p-diloco {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
     for module in dict.fromkeys(COMMANDS.values()):
         module.add_parser(commands)

@@ -7,39 +7,52 @@ import sys
 
 from p2p_diloco.cli.flags import add_config_flags, overrides
 from p2p_diloco.cli.logs import setup_logging
-from p2p_diloco.config import load_config
+from p2p_diloco.config import PeerConfig, load_config
 from p2p_diloco.errors import UserError
 from p2p_diloco.signals import GracefulStop, Stopped
 
 
-def add_parser(commands: argparse._SubParsersAction) -> None:
-    """The `peer` subcommand and its flags (one per config field)."""
-    peer = commands.add_parser("peer", help="start an island that trains with the swarm")
-    peer.add_argument("--config", help="TOML peer configuration, e.g. peers/tiny.toml")
-    peer.add_argument("--swarm", help="join a swarm of the list of known swarms by name")
-    peer.add_argument(
+def add_peer_flags(parser: argparse.ArgumentParser) -> None:
+    """--config, --swarm, --swarms-file and one flag per config field: what says which run and model."""
+    parser.add_argument(
+        "--config", help="TOML peer configuration, e.g. peers/tiny.toml, or a shipped preset's name: tiny, tiny-llama"
+    )
+    parser.add_argument("--swarm", help="join a swarm of the list of known swarms by name")
+    parser.add_argument(
         "--swarms-file",
         help="the list of known swarms (default: $P2P_DILOCO_SWARMS, then ./bootstrap/swarms.toml, then the list "
         "that ships with p2p-diloco)",
     )
-    add_config_flags(peer)
+    add_config_flags(parser)
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    """The `peer` subcommand and its flags (one per config field)."""
+    add_peer_flags(commands.add_parser("peer", help="start an island that trains with the swarm"))
+
+
+def peer_config(args: argparse.Namespace) -> PeerConfig:
+    """The PeerConfig of --config (a file or a preset), --swarm and the flags; addresses validated."""
+    from p2p_diloco.cli.known_swarms import resolve_swarm, swarms_file
+    from p2p_diloco.net.maddrs import validate_maddrs
+    from p2p_diloco.shipped import config_path
+
+    given, path = overrides(args), args.config and config_path(args.config)
+    if args.swarm:
+        swarm_overrides, swarm_config = resolve_swarm(args.swarm, swarms_file(args.swarms_file))
+        given, path = {**swarm_overrides, **given}, path or swarm_config
+    config = load_config(path, given)
+    validate_maddrs(config.network.initial_peers, need_peer_id=True)
+    validate_maddrs(config.network.host_maddrs + config.network.announce_maddrs, need_peer_id=False)
+    return config
 
 
 def run(args: argparse.Namespace) -> int:
     """Validate the configuration, then train until the run's last outer step."""
-    from p2p_diloco.cli.known_swarms import resolve_swarm, swarms_file
-    from p2p_diloco.net.maddrs import validate_maddrs
-
     try:
-        given, config_path = overrides(args), args.config
-        if args.swarm:
-            swarm_overrides, swarm_config = resolve_swarm(args.swarm, swarms_file(args.swarms_file))
-            given, config_path = {**swarm_overrides, **given}, config_path or swarm_config
-        config = load_config(config_path, given)
+        config = peer_config(args)
         if not config.network.initial_peers and not config.network.solo:
             print("p2p-diloco peer: no --initial-peers: starting a new swarm of one", file=sys.stderr)
-        validate_maddrs(config.network.initial_peers, need_peer_id=True)
-        validate_maddrs(config.network.host_maddrs + config.network.announce_maddrs, need_peer_id=False)
     except UserError as error:
         print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
         return error.exit_code

@@ -19,6 +19,7 @@ from p2p_diloco.train.checkpoint import (
     save_checkpoint,
     unusable_checkpoints,
 )
+from p2p_diloco.train.model_files import describe
 
 logger = logging.getLogger(__name__)
 
@@ -115,4 +116,7 @@ def save(config: PeerConfig, state: OuterState, trainer: LocalTrainer, *, now: b
         return
     with state.lock:
         snapshot = {**state.checkpoint(), **trainer.state_dict()}
+    # What rebuilds the model elsewhere, so `p2p-diloco export` needs nothing but the checkpoint folder.
+    snapshot["model_spec"] = describe(config)
+    snapshot["run_id"] = config.network.run_id
     save_checkpoint(config.checkpoint_dir, snapshot, snapshot["outer_step"])

@@ -1,0 +1,110 @@
+"""Taking the swarm's current model without training: join the DHT as a client, download a verified state, leave.
+
+The state is checked the way a newcomer's is (several donors asked, the digest most of them agree on, shapes of
+our model, finite values; see `p2p_diloco.net.state_transfer`). The puller announces no island record, joins no
+group and serves no state.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from p2p_diloco.config import PeerConfig
+from p2p_diloco.errors import UserError
+from p2p_diloco.island.checkpoints import swarm_state
+from p2p_diloco.island.link import SwarmLink, check_admission, private_membership
+from p2p_diloco.island.outer_state import OuterState
+from p2p_diloco.island.resync import Resync
+from p2p_diloco.island.trainer import check_vocabulary, run_fingerprint
+from p2p_diloco.net.dht import join_dht
+from p2p_diloco.net.exchange import GossipExchange
+from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.identity import ensure_identity
+from p2p_diloco.net.records import RunRecords
+from p2p_diloco.train.model import build_model
+from p2p_diloco.train.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class PullError(UserError, RuntimeError):
+    """Nothing to pull: nobody trains the run, or no donor delivered a state that checks out."""
+
+
+@dataclass
+class Pulled:
+    """A verified state of the swarm and the model it fills."""
+
+    model: torch.nn.Module
+    state: OuterState
+    islands: int
+    """Islands of the run the DHT knew when the state was pulled."""
+
+
+def _no_state() -> tuple[dict[str, Any], list[torch.Tensor]]:
+    raise RuntimeError("a puller serves no state")
+
+
+def pull(config: PeerConfig) -> Pulled:
+    """Download the swarm's current, verified outer state for the model of `config` (PullError if none)."""
+    network = config.network
+    model = build_model(config.model, config.train.seed)
+    tokenizer = load_tokenizer(config.data.tokenizer, config.data.eos_token)
+    check_vocabulary(model, tokenizer, config)
+    fingerprint = run_fingerprint(model, config, tokenizer)
+    flat = torch.cat([parameter.detach().reshape(-1) for parameter in model.parameters()])
+    state = OuterState(
+        flat,
+        lr=config.train.outer_lr,
+        momentum=config.train.outer_momentum,
+        momentum_every=config.train.momentum_every,
+        fingerprint=fingerprint,
+        run_id=network.run_id,
+    )
+    network.identity = ensure_identity(network.identity)
+    membership = private_membership(network)
+    dht = join_dht(network, membership=membership)
+    link = SwarmLink(peer_id=dht.peer_id.to_base58(), dht=dht, network=network, membership=membership)
+    try:
+        check_admission(dht, network, membership, link.peer_id)
+        link.records = RunRecords(
+            dht, network.run_id, link.peer_id, ttl=network.announce_ttl, timeout=network.dht_timeout
+        )
+        islands = link.records.read()
+        if not islands:
+            raise PullError(
+                f"nobody trains run {network.run_id!r}: the DHT reached through {' '.join(network.initial_peers)} "
+                "holds no island of it; check --run-id and --initial-peers (`p2p-diloco swarms --initial-peers ...`)"
+            )
+        link.exchange = GossipExchange(
+            dht,
+            run_id=network.run_id,
+            size=1,  # it never averages: the buffer only has to exist
+            state_provider=_no_state,
+            target_group_size=network.target_group_size,
+            quorum=network.quorum,
+            min_matchmaking_time=network.min_matchmaking_time,
+            request_timeout=network.request_timeout,
+            allreduce_timeout=network.allreduce_timeout,
+            next_chunk_timeout=network.next_chunk_timeout,
+            codec=network.codec,
+            shutdown_timeout=network.shutdown_timeout,
+            client_mode=True,
+            gate=Gate(membership, network.ban_rounds),
+            membership_token=None if membership is None else membership.token,
+        )
+        found = swarm_state(link, network, Resync(link.exchange, state, timeout=network.state_timeout))
+        if found is None:
+            raise PullError(
+                f"run {network.run_id!r} has {len(islands)} islands but none delivered a state of this model that "
+                f"checks out within {network.state_wait_s:.0f}s; is --config the run's model (fingerprint "
+                f"{fingerprint})? raise --state-wait-s to wait longer"
+            )
+        state.adopt(*found, source="the swarm")
+    finally:
+        link.close()
+    return Pulled(model=model, state=state, islands=len(islands))
