@@ -42,7 +42,8 @@ def test_lying_state_donors_are_outvoted_by_honest_donors(tmp_path) -> None:
     result = donor_attack(tmp_path, ["donor-random", "donor-nan", "donor-shape"])
     log = result["late_log"]
     assert not result["crashed"] and "starting from swarm state at outer step" in log, log[-3000:]
-    assert result["adopted_step"] is not None and result["adopted_step"] < 50  # not a liar's step + 100
+    # The honest swarm's step, not a liar's step + 100.
+    assert result["adopted_step"] is not None and result["adopted_step"] <= result["honest_step"] + 1, result
     assert all(loss < 4.0 for loss in result["evals"]), result["evals"]  # not a random or NaN anchor
     assert result["detected"], log[-3000:]
 

@@ -44,6 +44,13 @@ def named(peer_id: str | None, logs: list[str]) -> bool:
     )
 
 
+def _wait(done, timeout: float) -> None:
+    """Poll `done()` (a child's metrics file or state: no event to await) until true or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
 def _summary(honest: list, attacker: str | None, started: float) -> dict:
     records = [peer.records() for peer in honest]
     logs = [peer.log_text() for peer in honest]
@@ -91,7 +98,9 @@ def donor_attack(folder: Path, attacks: str | list[str], *, defended: bool = Tru
     swarm = LocalSwarm(folder, run_id="donors")
     started = time.monotonic()
     shards = str(3 + len(attacks))
-    long = ["--outer-steps", "12", "--num-shards", shards, "--target-group-size", shards, *extra]
+    # Nobody finishes on its own: a tiny island runs 12 rounds in seconds, and the late island must find the
+    # swarm still there when it arrives. The run ends once the late island has trained a few rounds.
+    long = ["--outer-steps", "100000", "--num-shards", shards, "--target-group-size", shards, *extra]
     try:
         swarm.bootstrap()
         honest = [swarm.peer(f"honest-{i}", *long, "--shard-index", str(i), config=TINY) for i in range(2)]
@@ -99,17 +108,16 @@ def donor_attack(folder: Path, attacks: str | list[str], *, defended: bool = Tru
             swarm.peer(f"liar-{i}", *long, "--shard-index", str(2 + i), config=TINY, program=(HOSTILE, attack))
             for i, attack in enumerate(attacks)
         ]
-        deadline = time.monotonic() + 180
-        while not all(len(peer.records()) >= 4 for peer in honest) and time.monotonic() < deadline:
-            time.sleep(0.5)  # the late island must arrive once the swarm has a state worth taking
+        _wait(lambda: all(len(peer.records()) >= 4 for peer in honest), 180)  # a state worth taking
         late = swarm.peer("late", *long, "--shard-index", str(2 + len(attacks)), config=TINY)
-        for peer in [*honest, late]:
-            peer.wait(300)
+        _wait(lambda: len(late.records()) >= 4 or not late.running, 300)
+        honest_step = max(r["outer_step"] for peer in honest for r in peer.records())
         result = _summary([late, *honest], None, started)
         liar_ids = [_peer_id(liar) for liar in liars]
         result["detected"] = all(named(liar, result["logs"]) for liar in liar_ids)
         result["attacker"] = liar_ids
         result["adopted_step"] = (late.records() or [{}])[0].get("outer_step")
+        result["honest_step"] = honest_step
         result["late_log"] = late.log_text()
         return result
     finally:
