@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from p2p_diloco.cli.flags import FLAG_ALIASES
 from p2p_diloco.cli.flags import overrides as cli_overrides
 from p2p_diloco.cli.known_swarms import SwarmListError, load_swarms, resolve_swarm, swarms_file
 from p2p_diloco.cli.main import EXIT_BAD_INPUT, build_parser, main
@@ -197,7 +198,7 @@ def test_leaf_fields_cover_every_section():
 
 @pytest.mark.parametrize(("dotted", "field"), leaf_fields(), ids=[dotted for dotted, _ in leaf_fields()])
 def test_every_config_field_has_a_peer_flag(dotted, field):
-    flag = "--" + ("data" if dotted == "data.path" else dotted.split(".")[-1]).replace("_", "-")
+    flag = "--" + FLAG_ALIASES.get(dotted, dotted.split(".")[-1]).replace("_", "-")
     value = "true" if dotted == "network.solo" else "1"
     args = build_parser().parse_args(["peer", flag, value])
     expected = [value] if str(field.type).startswith("list") else value
@@ -500,9 +501,12 @@ def test_bad_paths_are_one_line_errors(tmp_path, capsys):
 
 
 def test_binary_data_is_refused(tmp_path, capsys):
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 100)
+    assert main(["peer", "--solo", "true", "--data", str(tmp_path / "blob.txt"), "--outer-steps", "1"]) == 2
+    assert "looks binary" in one_error_line(capsys)
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 100)
     assert main(["peer", "--solo", "true", "--data", str(tmp_path / "blob.bin"), "--outer-steps", "1"]) == 2
-    assert "looks binary" in one_error_line(capsys)
+    assert "holds no .txt" in one_error_line(capsys)
 
 
 def test_an_island_refuses_to_start_over_corrupt_checkpoints(tmp_path, capsys):

@@ -207,3 +207,5 @@ def test_pull_takes_the_swarms_anchor_without_training(local_swarm: LocalSwarm, 
         )
     )
     assert "nobody trains run 'nobody-trains-this'" in line
+    line = one_error_line(cli("pull", "--config", "tiny", *swarm, "--out", str(tmp_path / "wrong")))
+    assert f"run '{local_swarm.run_id}' trains model" in line and "pass the run's peer config" in line

@@ -61,6 +61,8 @@ class MetricsWriter:
 
     def write(self, record: dict) -> None:
         """Validates the record and appends it as one JSON line, durably (and hands it to the trackers)."""
+        if self.path is None and not self.trackers:
+            return
         missing = [key for key in REQUIRED_KEYS if key not in record]
         if missing:
             raise ValueError(f"metrics record is missing required keys: {', '.join(missing)}")
