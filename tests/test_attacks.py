@@ -1,6 +1,6 @@
 """One bad peer must not break a swarm: each attack of the trust issue against real islands, defences on.
 
-Two honest islands of the tiny model train 8 outer steps with a hostile third island (the project's own peer with
+Two honest islands of the tiny model train 10 outer steps with a hostile third island (the project's own peer with
 one function replaced: benchmarks/lib/hostile_island.py), or three train beside records forged with a plain DHT
 node, or a late island downloads the state with a lying donor among the donors (benchmarks/lib/attack_runs.py,
 shared with benchmarks/attacks.py). The honest islands must finish without a traceback, end within 1% of the
