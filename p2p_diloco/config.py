@@ -172,6 +172,9 @@ class NetworkConfig:
     """How often to ping the initial peers again, so that a restarted bootstrap re-learns this island."""
     state_wait_s: float = 30.0
     """How long a newcomer waits for the swarm's state when the run looks alive but no donor answered yet."""
+    wait_for_islands: int = 1
+    """Before its first round, wait (up to state_wait_s) until this many islands of the run, itself included, are
+    announced: islands started together then start training together (experiments, benchmarks)."""
     swarm_public_key: str | None = None
     """A private swarm's owner public key ('ed25519:...', printed by `p2p-diloco keys new`): only members join."""
     membership: str | None = None

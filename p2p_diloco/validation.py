@@ -93,8 +93,8 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError(f"train.outer_momentum={train.outer_momentum} must be in [0, 1)")
     if network.request_timeout >= network.min_matchmaking_time:
         raise ConfigError("network.request_timeout must be smaller than network.min_matchmaking_time")
-    if network.quorum < 1 or network.target_group_size < network.quorum:
-        raise ConfigError("network.target_group_size must be >= network.quorum >= 1")
+    if network.quorum < 1 or network.target_group_size < network.quorum or network.wait_for_islands < 1:
+        raise ConfigError("network.target_group_size must be >= network.quorum >= 1, network.wait_for_islands >= 1")
     for name, value, choices in (
         ("network.relay", network.relay, RELAY_MODES),
         ("network.client_mode", network.client_mode, CLIENT_MODES),

@@ -15,7 +15,10 @@ from pathlib import Path
 from lib.common import TINY
 
 HOSTILE = str(Path(__file__).with_name("hostile_island.py"))
+# --wait-for-islands 3: all three start training together, so every run (the baseline too) has the same schedule;
+# an island that came up first would train rounds alone and put the others behind.
 ROUNDS = ["--outer-steps", "10", "--num-shards", "3", "--target-group-size", "3", "--averaging-timeout", "20"]
+ROUNDS += ["--wait-for-islands", "3"]
 UNDEFENDED = ["--robust-merge", "none", "--ban-rounds", "0"]
 MERGE_ATTACKS = ("scale", "noise", "flip", "nan", "tokens", "clock", "random-data")
 DONOR_ATTACKS = ("donor-random", "donor-nan", "donor-shape")
@@ -68,7 +71,7 @@ def _summary(honest: list, attacker: str | None, started: float) -> dict:
 
 
 def merge_attack(folder: Path, attack: str | None, *, defended: bool = True) -> dict:
-    """Two honest islands, then a third (hostile when `attack`) once they have joined; 10 outer steps."""
+    """Two honest islands and a third (hostile when `attack`), 10 outer steps."""
     from p2p_diloco.cli.launcher import LocalSwarm
 
     extra = [] if defended else UNDEFENDED
@@ -77,9 +80,6 @@ def merge_attack(folder: Path, attack: str | None, *, defended: bool = True) -> 
     try:
         swarm.bootstrap()
         honest = [swarm.peer(f"honest-{i}", *ROUNDS, "--shard-index", str(i), *extra, config=TINY) for i in range(2)]
-        # The third comes once the honest pair has joined, so that every run (the baseline too) has the same
-        # schedule; a third that started first would train a round alone and put the honest pair a round behind.
-        _wait(lambda: all("joined run" in peer.log_text() for peer in honest), 120)
         program = None if attack is None else (HOSTILE, attack)
         third = swarm.peer("third", *ROUNDS, "--shard-index", "2", *extra, config=TINY, program=program)
         for peer in honest:

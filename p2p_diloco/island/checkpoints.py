@@ -12,6 +12,7 @@ from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.resync import Resync
 from p2p_diloco.island.trainer import LocalTrainer
 from p2p_diloco.net.records import ModelMismatchError
+from p2p_diloco.signals import GracefulStop
 from p2p_diloco.train.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -108,6 +109,20 @@ def swarm_state(link: SwarmLink, network: NetworkConfig, resync: Resync) -> tupl
             )
             waiting = True
         time.sleep(STATE_RETRY_S)  # a donor re-announces itself every declare_state_period; poll until then
+
+
+def wait_for_islands(link: SwarmLink, count: int, timeout: float, stop: GracefulStop) -> None:
+    """Before the first round, wait up to `timeout` until `count` islands of the run (this one included) announced."""
+    if count <= 1 or link.records is None:
+        return
+    logger.info(f"waiting for {count} islands of the run before the first round (up to {timeout:.0f}s)")
+    deadline = time.monotonic() + timeout
+    while len(_others(link)) + 1 < count:
+        if time.monotonic() >= deadline:
+            logger.warning(f"{len(_others(link)) + 1} of {count} islands came within {timeout:.0f}s; starting anyway")
+            return
+        if stop.wait(STATE_RETRY_S / 4):  # records arrive through the DHT, which offers no event to await
+            return
 
 
 def save(config: PeerConfig, state: OuterState, trainer: LocalTrainer, *, now: bool = False) -> None:

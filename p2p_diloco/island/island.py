@@ -22,7 +22,7 @@ from p2p_diloco.diloco.grace import GraceWindow
 from p2p_diloco.diloco.merge import is_finite
 from p2p_diloco.diloco.outer import pseudo_gradient
 from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
-from p2p_diloco.island.checkpoints import restore, save
+from p2p_diloco.island.checkpoints import restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
@@ -346,6 +346,7 @@ class Island:
             budget = config.train.time_budget_s
             self.deadline = time.monotonic() + budget if budget else None
             if self.link.online:
+                wait_for_islands(self.link, config.network.wait_for_islands, config.network.state_wait_s, self.stop)
                 self._announce()
             record: dict[str, Any] | None = {}
             with self.stop.deferred():
