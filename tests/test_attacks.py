@@ -4,7 +4,8 @@ Two honest islands of the tiny model train 10 outer steps with a hostile third i
 one function replaced: benchmarks/lib/hostile_island.py), or three train beside records forged with a plain DHT
 node, or a late island downloads the state with a lying donor among the donors (benchmarks/lib/attack_runs.py,
 shared with benchmarks/attacks.py). The honest islands must finish without a traceback, end within 1% of the
-eval loss of an all-honest swarm, and name the attacker in their logs.
+eval loss of an all-honest swarm (an island's final eval: the mean of its last 3 rounds), and name the attacker in
+their logs.
 """
 
 from __future__ import annotations

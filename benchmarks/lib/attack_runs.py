@@ -19,6 +19,9 @@ HOSTILE = str(Path(__file__).with_name("hostile_island.py"))
 # an island that came up first would train rounds alone and put the others behind.
 ROUNDS = ["--outer-steps", "10", "--num-shards", "3", "--target-group-size", "3", "--averaging-timeout", "20"]
 ROUNDS += ["--wait-for-islands", "3"]
+TAIL_ROUNDS = 3
+"""An island's final eval is the mean of its last rounds' eval_loss: on these short runs one round's eval moves by
+about 1% up or down, as much as the band the tests allow."""
 UNDEFENDED = ["--robust-merge", "none", "--ban-rounds", "0"]
 MERGE_ATTACKS = ("scale", "noise", "flip", "nan", "tokens", "clock", "random-data")
 DONOR_ATTACKS = ("donor-random", "donor-nan", "donor-shape")
@@ -59,7 +62,7 @@ def _summary(honest: list, attacker: str | None, started: float) -> dict:
     logs = [peer.log_text() for peer in honest]
     round_s = [r["round_s"] for island in records for r in island[1:] if r.get("round_s")]
     return {
-        "evals": [island[-1]["eval_loss"] for island in records],
+        "evals": [statistics.mean(r["eval_loss"] for r in island[-TAIL_ROUNDS:]) for island in records],
         "merged": [sum(r["partners"] > 0 for r in island) for island in records],
         "logs": logs,
         "attacker": attacker,
