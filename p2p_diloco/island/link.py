@@ -201,6 +201,37 @@ def _log_reachability(reachability: Reachability, run_id: str) -> None:
         )
 
 
+def network_exchange(
+    dht: OrphanFreeDHT,
+    network: NetworkConfig,
+    membership: Membership | None,
+    *,
+    size: int,
+    state_provider: StateProvider,
+    client_mode: bool,
+    **options: Any,
+) -> GossipExchange:
+    """The exchange of the run in `network`, admitting only members of a private swarm and unbanned peers."""
+    return GossipExchange(
+        dht,
+        run_id=network.run_id,
+        size=size,
+        state_provider=state_provider,
+        target_group_size=network.target_group_size,
+        quorum=network.quorum,
+        min_matchmaking_time=network.min_matchmaking_time,
+        request_timeout=network.request_timeout,
+        allreduce_timeout=network.allreduce_timeout,
+        next_chunk_timeout=network.next_chunk_timeout,
+        codec=network.codec,
+        shutdown_timeout=network.shutdown_timeout,
+        client_mode=client_mode,
+        gate=Gate(membership, network.ban_rounds),
+        membership_token=None if membership is None else membership.token,
+        **options,
+    )
+
+
 def connect(
     network: NetworkConfig,
     *,
@@ -231,26 +262,17 @@ def connect(
         )
         link.refresh(link.records.announce(announcement, check=True))
         outbound_only = network.client_mode == "on" or (reachability.mode == "client" and network.client_mode == "auto")
-        link.exchange = GossipExchange(
+        link.exchange = network_exchange(
             dht,
-            run_id=network.run_id,
+            network,
+            membership,
             size=exchange_size,
             state_provider=state_provider,
-            target_group_size=network.target_group_size,
-            quorum=network.quorum,
-            min_matchmaking_time=network.min_matchmaking_time,
-            request_timeout=network.request_timeout,
-            allreduce_timeout=network.allreduce_timeout,
-            next_chunk_timeout=network.next_chunk_timeout,
+            client_mode=outbound_only,
             compression=compression,
-            codec=network.codec,
             staleness_rule=staleness_rule,
             declare_state_period=network.declare_state_period,
-            shutdown_timeout=network.shutdown_timeout,
-            client_mode=outbound_only,
-            gate=Gate(membership, network.ban_rounds),
             robust_merge=resolved_robust_merge(network),
-            membership_token=None if membership is None else membership.token,
         )
         link.transport = TransportMeter()
         link.transport.read()

@@ -13,18 +13,15 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.config import NetworkConfig, PeerConfig
+from p2p_diloco.config import PeerConfig
 from p2p_diloco.errors import UserError
 from p2p_diloco.island.checkpoints import swarm_state
-from p2p_diloco.island.link import SwarmLink, check_admission, private_membership
+from p2p_diloco.island.link import SwarmLink, check_admission, network_exchange, private_membership
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.resync import Resync
 from p2p_diloco.island.trainer import check_vocabulary, run_fingerprint
-from p2p_diloco.net.dht import OrphanFreeDHT, join_dht
-from p2p_diloco.net.exchange import GossipExchange
-from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.dht import join_dht
 from p2p_diloco.net.identity import ensure_identity
-from p2p_diloco.net.membership import Membership
 from p2p_diloco.net.records import RunRecords
 from p2p_diloco.train.model import build_model
 from p2p_diloco.train.tokenizer import load_tokenizer
@@ -60,27 +57,6 @@ def _check_model(islands: dict[str, dict[str, Any]], fingerprint: str, run_id: s
         )
 
 
-def _client_exchange(dht: OrphanFreeDHT, network: NetworkConfig, membership: Membership | None) -> GossipExchange:
-    """An averager that only downloads: client mode (no state served, no group led), a one-value buffer."""
-    return GossipExchange(
-        dht,
-        run_id=network.run_id,
-        size=1,  # it never averages: the buffer only has to exist
-        state_provider=_no_state,
-        target_group_size=network.target_group_size,
-        quorum=network.quorum,
-        min_matchmaking_time=network.min_matchmaking_time,
-        request_timeout=network.request_timeout,
-        allreduce_timeout=network.allreduce_timeout,
-        next_chunk_timeout=network.next_chunk_timeout,
-        codec=network.codec,
-        shutdown_timeout=network.shutdown_timeout,
-        client_mode=True,
-        gate=Gate(membership, network.ban_rounds),
-        membership_token=None if membership is None else membership.token,
-    )
-
-
 def pull(config: PeerConfig) -> Pulled:
     """Download the swarm's current, verified outer state for the model of `config` (PullError if none)."""
     network = config.network
@@ -113,7 +89,9 @@ def pull(config: PeerConfig) -> Pulled:
                 "holds no island of it; check --run-id and --initial-peers (`p2p-diloco swarms --initial-peers ...`)"
             )
         _check_model(islands, fingerprint, network.run_id)
-        link.exchange = _client_exchange(dht, network, membership)
+        # An averager that only downloads: client mode serves no state and leads no group; it never averages,
+        # so a one-value buffer is enough.
+        link.exchange = network_exchange(dht, network, membership, size=1, state_provider=_no_state, client_mode=True)
         found = swarm_state(link, network, Resync(link.exchange, state, timeout=network.state_timeout))
         if found is None:
             raise PullError(
