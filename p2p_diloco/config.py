@@ -99,7 +99,7 @@ class TrainConfig:
     outer_steps: int = 20
     """Stop once the swarm's outer step reaches this many."""
     batch_size: int = 16
-    """Sequences per inner step."""
+    """Sequences per inner step and rank: an island's global batch is batch_size x ranks x grad_accum."""
     lr: float = 3e-3
     """Inner AdamW learning rate."""
     weight_decay: float = 0.1
@@ -235,6 +235,27 @@ class NetworkConfig:
 
 
 @dataclass
+class IslandConfig:
+    """How many processes one island is: ranks on torch.distributed inside it, one member of the swarm outside."""
+
+    nproc_per_node: int = 1
+    """Ranks to start on this machine, through torch's elastic launcher as torchrun does (1: a single process)."""
+    nnodes: str = "1"
+    """Machines of this island, or MIN:MAX, as torchrun's --nnodes; more than one needs rdzv_endpoint."""
+    rdzv_endpoint: str = ""
+    """HOST:PORT of the island's c10d rendezvous, the same on every node of a multi-node island."""
+    rdzv_id: str = ""
+    """Rendezvous id that the island's nodes share (default: the run id)."""
+    max_restarts: int = 0
+    """Restart a failed island in place this many times (every rank; it resumes from its checkpoint)."""
+    parallel: str = "ddp"
+    """How the ranks share the work: 'ddp' (every rank holds the model) or 'fsdp' (FSDP2 fully_shard: parameters,
+    gradients and inner optimizer state sharded across the ranks)."""
+    rank_timeout_s: float = 3600.0
+    """How long a rank waits in one collective for the others (rank 0 may talk to the swarm meanwhile)."""
+
+
+@dataclass
 class PeerConfig:
     """Everything one island needs."""
 
@@ -242,6 +263,7 @@ class PeerConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    island: IslandConfig = field(default_factory=IslandConfig)
     metrics: str | None = None
     """JSON-lines file that gets one record per outer step."""
     checkpoint_dir: str | None = None
@@ -259,7 +281,7 @@ class PeerConfig:
     WANDB_MODE=offline works without a network)."""
 
 
-SECTIONS = ("model", "data", "train", "network")
+SECTIONS = ("model", "data", "train", "network", "island")
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 

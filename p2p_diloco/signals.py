@@ -31,8 +31,10 @@ class GracefulStop:
     through their parent-death signal).
     """
 
-    def __init__(self, what: str = "p2p-diloco"):
+    def __init__(self, what: str = "p2p-diloco", *, hard_after_s: float | None = None):
         self.what = what
+        self.hard_after_s = hard_after_s
+        """With a value, a stop not finished this many seconds after the first signal exits at once."""
         self.signum: int | None = None
         self._deferring = False
         self._event = threading.Event()
@@ -77,6 +79,10 @@ class GracefulStop:
             os._exit(EXIT_CODES.get(signum, 128 + signum))
         self.signum = signum
         self._event.set()
+        if self.hard_after_s is not None:
+            timer = threading.Timer(self.hard_after_s, os._exit, (EXIT_CODES.get(signum, 128 + signum),))
+            timer.daemon = True
+            timer.start()
         if not self._deferring:
             raise Stopped(signum)
         print(

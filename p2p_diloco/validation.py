@@ -21,6 +21,7 @@ MODEL_KINDS = ("gpt", "hf", "module")
 DEVICES_HELP = "auto, cpu, cuda, cuda:N or mps"
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OUTER_DEVICES = ("cpu", "same")
+ISLAND_PARALLEL = ("ddp", "fsdp")
 
 PATHS_IN_FILES = ("model.config", "model.init_from", "data.tokenizer", "data.path")
 """Config fields that name files: written in a TOML file, they are relative to that file's folder."""
@@ -65,6 +66,21 @@ def _validate_workload(config: PeerConfig) -> None:
         raise ConfigError(f"train.grad_accum={train.grad_accum} must be >= 1")
     if not data.text_field:
         raise ConfigError("data.text_field must name the field that holds the text")
+    _validate_island(config)
+
+
+def _validate_island(config: PeerConfig) -> None:
+    """The ranks of one island: how many, on how many nodes, and how they share the model."""
+    island = config.island
+    if island.nproc_per_node < 1 or island.max_restarts < 0 or not island.rank_timeout_s > 0:
+        raise ConfigError("island.nproc_per_node must be >= 1, max_restarts >= 0 and rank_timeout_s > 0")
+    if island.parallel not in ISLAND_PARALLEL:
+        raise ConfigError(f"--island-parallel must be one of {', '.join(ISLAND_PARALLEL)}; got {island.parallel!r}")
+    bounds = island.nnodes.split(":")
+    if len(bounds) > 2 or not all(b.isdigit() and int(b) >= 1 for b in bounds) or int(bounds[0]) > int(bounds[-1]):
+        raise ConfigError(f"--nnodes must be a count like 2 or a range like 1:4; got {island.nnodes!r}")
+    if int(bounds[-1]) > 1 and not island.rdzv_endpoint:
+        raise ConfigError("an island on several nodes needs --rdzv-endpoint HOST:PORT, the same on every node")
 
 
 def validate_config(config: PeerConfig) -> None:

@@ -16,6 +16,7 @@ FLAG_ALIASES = {
     "model.kind": "model-kind",
     "model.config": "model-config",
     "model.factory": "model-factory",
+    "island.parallel": "island-parallel",
 }
 """Config fields whose flag name differs from the field name."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from p2p_diloco import __version__
 from p2p_diloco.cli import bootstrap, dashboard, evaluate, export, keys, peer, pull, status, swarm
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `p2p-diloco` console script."""
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # `peer --nproc-per-node` starts ranks with it
     return COMMANDS[args.command].run(args)
 
 

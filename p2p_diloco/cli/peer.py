@@ -56,9 +56,18 @@ def run(args: argparse.Namespace) -> int:
     except UserError as error:
         print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
         return error.exit_code
+    from p2p_diloco.cli.launch import launch_island, wants_ranks
+    from p2p_diloco.island.ranks import launched_as_rank
+
+    if wants_ranks(config.island) and not launched_as_rank():
+        return launch_island(config, args.argv)
     setup_logging(config.log_level)
     stop = GracefulStop("p2p-diloco peer").install()
     try:
+        if launched_as_rank():
+            from p2p_diloco.island.ranked import run_ranked_island
+
+            return run_ranked_island(config, stop)
         from p2p_diloco.island.island import Island
 
         Island(config, stop=stop).run()

@@ -74,6 +74,7 @@ def run_inner_steps(
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     scaler: torch.amp.GradScaler | None = None,
     device: torch.device | None = None,
+    sync_context: Callable[[bool], contextlib.AbstractContextManager] | None = None,
 ) -> InnerResult:
     """Run `steps` local optimizer steps and return their losses.
 
@@ -81,6 +82,7 @@ def run_inner_steps(
     for fp16, the loss scaled by `scaler`. `after_backward(loss)` runs between backward and the optimizer step and
     returns the loss to record (a data-parallel baseline all-reduces the gradients there); `slowdown` > 1
     stretches each step (experiments); `should_stop()` is asked before each step and ends the run early.
+    `sync_context(last)` wraps each micro-batch's backward (DDP: no gradient all-reduce until the last one).
     """
     if steps <= 0:
         return InnerResult([], 0, 0.0)
@@ -93,13 +95,14 @@ def run_inner_steps(
         step_start = time.monotonic()
         optimizer.zero_grad(set_to_none=True)
         total = None
-        for _ in range(accumulate):
+        for micro in range(accumulate):
             inputs, targets = next_batch()
             if device is not None:
                 inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            with autocast():
-                loss = loss_function(model, inputs, targets) / accumulate
-            (loss if scaler is None else scaler.scale(loss)).backward()
+            with contextlib.nullcontext() if sync_context is None else sync_context(micro == accumulate - 1):
+                with autocast():
+                    loss = loss_function(model, inputs, targets) / accumulate
+                (loss if scaler is None else scaler.scale(loss)).backward()
             total = loss.detach() if total is None else total + loss.detach()
             tokens += inputs.numel()
         losses.append(total if after_backward is None else after_backward(total))

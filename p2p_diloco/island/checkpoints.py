@@ -130,7 +130,7 @@ def save(config: PeerConfig, state: OuterState, trainer: LocalTrainer, *, now: b
     if not config.checkpoint_dir or (state.outer_step % config.checkpoint_every and not now):
         return
     with state.lock:
-        snapshot = {**state.checkpoint(), **trainer.state_dict()}
+        snapshot = {**state.checkpoint(), **trainer.state_dict(state.outer_step)}
     # What rebuilds the model elsewhere, so `p2p-diloco export` needs nothing but the checkpoint folder.
     snapshot["model_spec"] = describe(config)
     snapshot["run_id"] = config.network.run_id

@@ -47,22 +47,22 @@ Connector = Callable[..., SwarmLink]
 class Island:
     """A peer that trains with DiLoCo and merges pseudo-gradients with the swarm."""
 
-    def __init__(self, config: PeerConfig, *, connector: Connector = connect, stop: GracefulStop | None = None):
+    def __init__(
+        self,
+        config: PeerConfig,
+        *,
+        connector: Connector = connect,
+        stop: GracefulStop | None = None,
+        trainer: LocalTrainer | None = None,
+    ):
         self.config = config
         self.connector = connector
         self.stop = stop or GracefulStop()
         torch.set_num_threads(config.train.threads)
-        self.trainer = LocalTrainer(config)
+        self.trainer = trainer or LocalTrainer(config)
         self.fingerprint = run_fingerprint(self.trainer.model, config, self.trainer.data.tokenizer)
         train, network = config.train, config.network
-        self.state = OuterState(
-            self.trainer.weights(),
-            lr=train.outer_lr,
-            momentum=train.outer_momentum,
-            momentum_every=train.momentum_every,
-            fingerprint=self.fingerprint,
-            run_id=network.run_id,
-        )
+        self.state = OuterState.for_run(self.trainer.weights(), config, self.fingerprint)
         self.fragments: list[Fragment] = fragment_layout(self.trainer.model, train.fragments)
         self.error_feedback = {f.number: ErrorFeedback() for f in self.fragments} if network.error_feedback else None
         self.grace = GraceWindow(
@@ -323,7 +323,7 @@ class Island:
             transport=transport,
         )
         record.update(eval_loss=eval_loss, eval_s=eval_s, round_s=time.monotonic() - round_start)
-        record["gpu_mem_gb"] = self.trainer.memory_gb()
+        record.update(self.trainer.resources())
         return record
 
     # ----- the whole run ------------------------------------------------------------------------------------
@@ -331,6 +331,7 @@ class Island:
         """Train until the swarm's outer step reaches train.outer_steps; returns the number of rounds run."""
         config = self.config
         metrics = MetricsWriter(config.metrics, trackers(config.tensorboard, config.wandb))
+        finished = False  # an island that failed has nothing in flight worth lingering for
         try:
             self._connect()
             self.trainer.open_stream(self.peer_id)
@@ -369,10 +370,11 @@ class Island:
             if self.pending is not None:  # the last fragment's exchange is still in flight: land it
                 self._land_last(metrics, record["loss"], start_step)
                 rounds += 1
+            finished = True
             return rounds
         finally:
             metrics.close()
-            self.link.close(linger=not self.stopping)
+            self.link.close(linger=finished and not self.stopping)
 
     def _land_last(self, metrics: MetricsWriter, last_loss: float, start_step: int) -> None:
         """Land the exchange still in flight at the end of the run and log it as a round of its own."""

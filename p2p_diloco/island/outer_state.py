@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.outer import OuterOptimizer, state_digest
 from p2p_diloco.net.records import ModelMismatchError
@@ -26,6 +27,19 @@ class OuterState:
         self.optimizer = OuterOptimizer(anchor, lr=lr, momentum=momentum, momentum_every=momentum_every)
         self.fingerprint, self.run_id = fingerprint, run_id
         self.outer_step = 0
+
+    @classmethod
+    def for_run(cls, anchor: torch.Tensor, config: PeerConfig, fingerprint: str) -> OuterState:
+        """The outer state of a run's config, starting at `anchor`."""
+        train = config.train
+        return cls(
+            anchor,
+            lr=train.outer_lr,
+            momentum=train.outer_momentum,
+            momentum_every=train.momentum_every,
+            fingerprint=fingerprint,
+            run_id=config.network.run_id,
+        )
 
     @property
     def anchor(self) -> torch.Tensor:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,9 +18,11 @@ from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.inner import InnerResult, dynamic_inner_steps, make_inner_optimizer, run_inner_steps
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.island.ranks import RankGroup
 from p2p_diloco.train.data import evaluate_batches
 from p2p_diloco.train.devices import Precision, host_buffer, memory_gb, resolve_device, resolve_precision
 from p2p_diloco.train.model import build_model, model_fingerprint, model_identity, model_vocab_size
+from p2p_diloco.train.parallel import load_sharded, load_whole, whole_parameters, wrap_model
 from p2p_diloco.train.sources import Stream, TrainingData, prepare_data
 from p2p_diloco.train.tokenizer import Tokenizer
 
@@ -45,20 +48,32 @@ def check_vocabulary(model: torch.nn.Module, tokenizer: Tokenizer, config: PeerC
 
 
 class LocalTrainer:
-    """Runs inner steps on this island's shard and moves weights in and out of the model as flat vectors."""
+    """Runs inner steps on this island's shard and moves weights in and out of the model as flat vectors.
 
-    def __init__(self, config: PeerConfig, data: TrainingData | None = None):
+    With `ranks` it is one rank of a multi-process island: the model is wrapped in DDP or sharded with FSDP2, and
+    every rank reads the island's stream of global batches (batch_size x ranks rows) and trains on its own slice,
+    so the ranks stay in step and a checkpoint needs one stream position.
+    """
+
+    def __init__(self, config: PeerConfig, data: TrainingData | None = None, ranks: RankGroup | None = None):
         self.config = config
+        self.ranks = ranks
         train = config.train
-        self.device = resolve_device(train.device)
+        self.device = ranks.device if ranks is not None else resolve_device(train.device)
         self.precision = Precision(resolve_precision(train.precision, self.device), self.device)
         self.model = build_model(config.model, seed=train.seed)
-        self.data = data or prepare_data(config)
+        self.data = data or self._prepare_data()
         check_vocabulary(self.model, self.data.tokenizer, config)
         if train.activation_checkpointing:
             self.model.enable_checkpointing()
         self.model.to(self.device)
-        self.forward_model = torch.compile(self.model) if train.compile else self.model
+        self.sync_context = None
+        wrapped = self.model
+        if ranks is not None:
+            wrapped, self.sync_context = wrap_model(self.model, ranks.parallel, self.device)
+        self.forward_model = torch.compile(wrapped) if train.compile else wrapped
+        # DDP's forward is for training; evaluation runs the bare model (FSDP's forward gathers the shards).
+        self.eval_model = self.forward_model if ranks is None or ranks.parallel == "fsdp" else self.model
         self.optimizer, self.scheduler = make_inner_optimizer(
             self.model, train.lr, train.weight_decay, train.warmup_steps, fused=self.device.type == "cuda"
         )
@@ -70,9 +85,34 @@ class LocalTrainer:
         self.step_time_s: float | None = None
         """Seconds per inner step in the last round (announced for dynamic local updates)."""
 
+    @property
+    def world(self) -> int:
+        """The island's number of ranks (1 for a single process)."""
+        return 1 if self.ranks is None else self.ranks.world
+
+    def _prepare_data(self) -> TrainingData:
+        """The run's data; with ranks, rank 0 prepares (and caches) it before the others read the cache."""
+        if self.ranks is None:
+            return prepare_data(self.config)
+        if not self.ranks.leader:
+            self.ranks.barrier()
+        data = prepare_data(self.config)
+        if self.ranks.leader:
+            self.ranks.barrier()
+        return data
+
     def open_stream(self, peer_id: str) -> None:
         """Start this island's batch stream: its shard, in an order seeded by the shard (or the peer id)."""
-        self.stream, self.shard = self.data.stream(self.config, peer_id)
+        self.stream, self.shard = self.data.stream(self.config, peer_id, rows=self.config.train.batch_size * self.world)
+
+    def _next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next batch of this rank: its slice of the island's global batch."""
+        inputs, targets = self.stream.next_batch()
+        if self.ranks is None:
+            return inputs, targets
+        rows = self.config.train.batch_size
+        start = self.ranks.rank * rows
+        return inputs[start : start + rows], targets[start : start + rows]
 
     @property
     def tensor_sizes(self) -> list[int]:
@@ -93,16 +133,21 @@ class LocalTrainer:
             self.forward_model,
             self.optimizer,
             self.scheduler,
-            self.stream.next_batch,
+            self._next_batch,
             steps,
             grad_clip=train.grad_clip,
-            slowdown=train.slowdown,
+            # Only rank 0 stretches its steps: the others wait for it in the all-reduce anyway, and ranks that each
+            # stretched a step timed with the others' waits would slow each other down without bound.
+            slowdown=train.slowdown if self.ranks is None or self.ranks.leader else 1.0,
             should_stop=should_stop,
             accumulate=train.grad_accum,
             autocast=self.precision.autocast,
             scaler=self.precision.scaler,
             device=self.device,
+            sync_context=self.sync_context,
         )
+        # Every rank trained on an equal slice: the island's tokens are the world's.
+        result = InnerResult(result.losses, result.tokens * self.world, result.seconds)
         done = len(result.losses)
         if done:
             self.step_time_s = result.seconds / done
@@ -114,12 +159,12 @@ class LocalTrainer:
     def weights(self) -> torch.Tensor:
         """The model's weights as one flat fp32 CPU vector (a copy; per parameter, so never a second GPU copy)."""
         if self.config.train.outer_device == "same" and self.device.type != "cpu":
-            return torch.cat([p.detach().reshape(-1).float() for p in self.model.parameters()])
+            return torch.cat([p.reshape(-1).float() for p in whole_parameters(self.model)])
         flat = host_buffer(self.numel, self.device)
         offset = 0
-        for parameter in self.model.parameters():
+        for parameter in whole_parameters(self.model):
             count = parameter.numel()
-            flat[offset : offset + count].copy_(parameter.detach().reshape(-1), non_blocking=True)
+            flat[offset : offset + count].copy_(parameter.reshape(-1), non_blocking=True)
             offset += count
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -133,7 +178,7 @@ class LocalTrainer:
         offset = 0
         for parameter in self.model.parameters():
             count = parameter.numel()
-            parameter.copy_(anchor[offset : offset + count].view_as(parameter), non_blocking=True)
+            load_whole(parameter, anchor[offset : offset + count])
             offset += count
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the anchor may change once this returns
@@ -151,14 +196,19 @@ class LocalTrainer:
 
     def evaluate(self) -> float:
         """Mean loss on the held-out batches, the same on every island."""
-        return evaluate_batches(self.forward_model, self.data.eval_batches, self.precision.autocast)
+        return evaluate_batches(self.eval_model, self.data.eval_batches, self.precision.autocast)
 
     def memory_gb(self) -> float | None:
         """Peak GPU memory of this island so far (None off CUDA)."""
         return memory_gb(self.device)
 
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint needs to resume local training exactly."""
+    def resources(self) -> dict[str, Any]:
+        """What a round's record says about the island's hardware: GPU memory, ranks and how they share the model."""
+        parallel = None if self.ranks is None else self.ranks.parallel
+        return {"gpu_mem_gb": self.memory_gb(), "ranks": self.world, "island_parallel": parallel}
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """What a checkpoint of outer step `step` needs to resume local training exactly."""
         state = {
             "inner_optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -172,7 +222,10 @@ class LocalTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume local training from `state_dict()`."""
-        self.optimizer.load_state_dict(state["inner_optimizer"])
+        if "inner_shards" in state:  # written by an FSDP island: every rank reads its shards (resharded by DCP)
+            load_sharded(self.model, self.optimizer, Path(self.config.checkpoint_dir) / state["inner_shards"])
+        else:
+            self.optimizer.load_state_dict(state["inner_optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.stream.load_state_dict(state["stream"])
         self.inner_steps_total = int(state["inner_steps_total"])

@@ -43,17 +43,18 @@ class TrainingData:
 
     tokenizer: Tokenizer
     eval_batches: list[Batch]
-    open: Callable[[int, int, int], Stream]
-    """open(shard index, shard count, seed): the training stream of one shard."""
+    open: Callable[[int, int, int, int], Stream]
+    """open(shard index, shard count, seed, rows): the training stream of one shard, `rows` sequences a batch."""
 
-    def stream(self, config: PeerConfig, peer_id: str) -> tuple[Stream, str]:
-        """This island's stream and a few words on which shard it reads."""
+    def stream(self, config: PeerConfig, peer_id: str, rows: int | None = None) -> tuple[Stream, str]:
+        """This island's stream (batches of `rows` sequences, default batch_size) and which shard it reads."""
         data, train = config.data, config.train
+        rows = rows or train.batch_size
         if data.shard_index is None and data.num_shards == 1:
-            return self.open(0, 1, data_seed(train.seed, None, peer_id)), "the whole corpus"
+            return self.open(0, 1, data_seed(train.seed, None, peer_id), rows), "the whole corpus"
         index, count = shard_of(config, peer_id)
         shard = f"shard {index} of {count}" + ("" if data.shard_index is not None else " (picked by peer id)")
-        return self.open(index, count, data_seed(train.seed, index, peer_id)), shard
+        return self.open(index, count, data_seed(train.seed, index, peer_id), rows), shard
 
 
 def shard_of(config: PeerConfig, peer_id: str) -> tuple[int, int]:
@@ -80,9 +81,9 @@ def prepare_data(config: PeerConfig, tokenizer: Tokenizer | None = None) -> Trai
         shards = load_shards(data)
         batches = eval_windows(shards.eval, seq_len, train.batch_size, data.eval_batches)
 
-        def open_bytes(index: int, count: int, seed: int) -> Stream:
+        def open_bytes(index: int, count: int, seed: int, rows: int = train.batch_size) -> Stream:
             tokens = shards.train if count == 1 else shards.train_shard(index, count)
-            return BatchStream(tokens, train.batch_size, seq_len, seed)
+            return BatchStream(tokens, rows, seq_len, seed)
 
         return TrainingData(ByteTokenizer(), batches, open_bytes)
     tokenizer = tokenizer or load_tokenizer(data.tokenizer, data.eos_token)
@@ -114,8 +115,8 @@ def _prepared(config: PeerConfig, tokenizer: Tokenizer) -> TrainingData:
     batches = _as_batches(*batch_of(blocks[chosen]["input_ids"]), train.batch_size)
     logger.info(f"corpus: {len(blocks):,} blocks of {seq_len + 1} tokens, {len(held_out):,} held out for eval")
 
-    def open_blocks(index: int, count: int, seed: int) -> Stream:
-        return BlockStream(blocks, split_blocks(len(blocks), every, index, count)[1], train.batch_size, seed)
+    def open_blocks(index: int, count: int, seed: int, rows: int = train.batch_size) -> Stream:
+        return BlockStream(blocks, split_blocks(len(blocks), every, index, count)[1], rows, seed)
 
     return TrainingData(tokenizer, batches, open_blocks)
 
@@ -134,11 +135,11 @@ def _streamed(config: PeerConfig, tokenizer: Tokenizer) -> TrainingData:
     probe = StreamedBlocks(held_out, tokenizer, data.text_field, seq_len, train.batch_size * data.eval_batches)
     batches = _as_batches(*probe.next_batch(), train.batch_size)
 
-    def open_stream(index: int, count: int, seed: int) -> Stream:
+    def open_stream(index: int, count: int, seed: int, rows: int = train.batch_size) -> Stream:
         def shard() -> Any:
             training = _documents(config).filter(lambda _, i: i % every != 0, with_indices=True)
             return split_dataset_by_node(training, rank=index, world_size=count)
 
-        return StreamedBlocks(shard, tokenizer, data.text_field, seq_len, train.batch_size)
+        return StreamedBlocks(shard, tokenizer, data.text_field, seq_len, rows)
 
     return TrainingData(tokenizer, batches, open_stream)
