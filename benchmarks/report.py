@@ -180,6 +180,24 @@ def throughput(data: dict) -> str:
     )
 
 
+def ranks(data: dict) -> str:
+    """Tokens/s by island layout, and the outer step's cost with ranks by model size."""
+    base = _table(
+        ["island", "tokens/s", "x one thread"],
+        [[label, rate, data["speedup_vs_one_thread"][label]] for label, rate in data["tokens_per_s"].items()],
+    )
+    single = {row["size"]: row["ms"] for row in data["outer_step_ms"]["1 process"]}
+    rows = []
+    for name, layout in data["outer_step_ms"].items():
+        rows += [[name, f"{r['params'] / 1e6:.1f}M", r["ms"], r["ms"] / single[r["size"]]] for r in layout]
+    cores = data.get("cpu_count")
+    outer = _table(["island", "parameters", "ms", "x one process"], rows)
+    return (
+        f"Inner steps ({cores} CPU cores):\n\n{base}\n\n"
+        f"One outer step on rank 0 (weights out, Nesterov, weights into every rank):\n\n{outer}"
+    )
+
+
 SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("quality", "Quality vs data-parallel", quality),
     ("exchange", "Exchange speed", exchange),
@@ -191,6 +209,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("attacks", "Attacks on a swarm, defences off and on", attacks),
     ("internet", "Direct vs relayed islands on separate hosts", internet),
     ("throughput", "Island throughput against a plain training loop", throughput),
+    ("ranks", "Islands of several ranks", ranks),
 ]
 
 

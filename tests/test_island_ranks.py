@@ -70,6 +70,13 @@ def test_a_two_rank_island_trains_as_one_rank_with_the_global_batch(tmp_path: Pa
     assert read_metrics(tmp_path / "single" / "metrics.jsonl")[-1]["ranks"] == 1
 
 
+def test_streaming_fragments_with_overlap_land_the_same_on_every_rank(tmp_path: Path) -> None:
+    streaming = ["--outer-steps", "4", "--fragments", "2", "--overlap-steps", "1"]
+    single = run_island(tmp_path / "single", *streaming, "--batch-size", "8")
+    ddp = run_island(tmp_path / "ddp", *streaming, "--batch-size", "4", ranks=2)
+    assert max_difference(single, ddp) < EQUAL
+
+
 def test_an_fsdp_island_resumes_from_its_shards_on_the_same_and_on_fewer_ranks(tmp_path: Path) -> None:
     fsdp = ["--island-parallel", "fsdp"]
     straight = run_island(tmp_path / "straight", "--outer-steps", "4", "--batch-size", "4", *fsdp, ranks=2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from p2p_diloco.cli.flags import add_config_flags, overrides
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     """Validate the configuration, then train until the run's last outer step."""
     try:
         config = peer_config(args)
-        if not config.network.initial_peers and not config.network.solo:
+        if not config.network.initial_peers and not config.network.solo and os.environ.get("RANK", "0") == "0":
             print("p2p-diloco peer: no --initial-peers: starting a new swarm of one", file=sys.stderr)
     except UserError as error:
         print(f"p2p-diloco peer: error: {error}", file=sys.stderr)

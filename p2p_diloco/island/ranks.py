@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from p2p_diloco.errors import ConfigError
+
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torch's elastic launcher (torchrun, or `peer --nproc-per-node`) sets in every rank's environment."""
 
@@ -68,6 +70,11 @@ class RankGroup:
         wants_cuda = device_spec.startswith("cuda") or (device_spec == "auto" and torch.cuda.is_available())
         device = torch.device("cuda", local_rank) if wants_cuda else torch.device("cpu")
         if wants_cuda:
+            if local_rank >= torch.cuda.device_count():
+                raise ConfigError(
+                    f"rank {rank} (local rank {local_rank}) has no GPU: this machine shows "
+                    f"{torch.cuda.device_count()}; lower --nproc-per-node or set CUDA_VISIBLE_DEVICES"
+                )
             torch.cuda.set_device(device)
         group = cls(rank, world, local_rank, parallel, device)
         if not dist.is_initialized():
