@@ -126,6 +126,9 @@ class TrainConfig:
     """Stop after this many seconds of training (0: no limit); for fixed wall-clock experiments."""
     fragments: int = 1
     """P (Streaming DiLoCo): outer step s syncs only fragment s mod P, after H/P inner steps (1: whole model)."""
+    fragment_layout: str = "strided"
+    """How the model is cut into fragments: 'strided' layer groups (block i in fragment i mod P) or 'balanced'
+    (greedy bin-packing of tensors: the largest fragment, the peak bytes of an outer step, within 4/3 of optimal)."""
     overlap_steps: int = 0
     """τ: inner steps a fragment's exchange runs in the background before its update lands (0: blocking)."""
     mix_alpha: float = 0.5

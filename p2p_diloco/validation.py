@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from p2p_diloco.diloco.fragments import LAYOUTS
 from p2p_diloco.diloco.grace import GRACE_MODES
 from p2p_diloco.diloco.merge import MERGE_RULES
 from p2p_diloco.diloco.quantize import CODEC_NAMES
@@ -59,6 +60,7 @@ def _validate_workload(config: PeerConfig) -> None:
     for name, value, choices in (
         ("train.precision", train.precision, PRECISIONS),
         ("train.outer_device", train.outer_device, OUTER_DEVICES),
+        ("train.fragment_layout", train.fragment_layout, LAYOUTS),
     ):
         if value not in choices:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")

@@ -19,6 +19,7 @@ from p2p_diloco.train.checkpoint import latest_checkpoint, load_checkpoint
 SOLO = ["--solo", "true", "--inner-steps", "5", "--lr", "1e-3", "--log-level", "WARNING"]
 """Islands without a network, for comparing their weights."""
 EQUAL = 1e-5
+TINY_LLAMA = TINY.parent / "tiny-llama.toml"
 
 
 def run_island(folder: Path, *args: str, ranks: int = 1, timeout: float = 180) -> dict:
@@ -68,6 +69,13 @@ def test_a_two_rank_island_trains_as_one_rank_with_the_global_batch(tmp_path: Pa
     assert (records[-1]["ranks"], records[-1]["island_parallel"]) == (2, "ddp")
     assert records[-1]["eval_loss"] < records[0]["eval_loss"] - 0.1  # it trained: equal weights are no accident
     assert read_metrics(tmp_path / "single" / "metrics.jsonl")[-1]["ranks"] == 1
+
+
+def test_a_transformers_model_sharded_with_fsdp_trains_as_one_rank(tmp_path: Path) -> None:
+    llama = ["--config", str(TINY_LLAMA), "--outer-steps", "2"]
+    single = run_island(tmp_path / "single", *llama, "--batch-size", "8")
+    fsdp = run_island(tmp_path / "fsdp", *llama, "--batch-size", "4", "--island-parallel", "fsdp", ranks=2)
+    assert max_difference(single, fsdp) < EQUAL
 
 
 def test_streaming_fragments_with_overlap_land_the_same_on_every_rank(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
 """Streaming DiLoCo's fragments: which parameters sync together, and in which outer step.
 
-The model is cut into P fragments of strided layer groups (transformer block i goes to fragment i mod P) and the
-remaining tensors (embeddings, final norm, head) go, largest first, to whichever fragment is smallest, so the
-fragments stay balanced. Outer step s syncs fragment s mod P: every island on the same outer step sends the same
-fragment, only one fragment is in flight at a time, and each fragment syncs once every P outer steps.
+Two layouts. 'strided' (Streaming DiLoCo): transformer block i goes to fragment i mod P and the remaining tensors
+(embeddings, final norm, head) go, largest first, to whichever fragment is smallest. 'balanced' (Decoupled DiLoCo's
+balanced tensor fragmentation): every tensor, largest first, goes to the fragment that is smallest so far, a greedy
+bin-packing whose largest fragment (the peak bytes of one outer step) is at most 4/3 of the best possible. Outer
+step s syncs fragment s mod P: every island on the same outer step sends the same fragment, only one fragment is
+in flight at a time, and each fragment syncs once every P outer steps.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
+LAYOUTS = ("strided", "balanced")
 
 
 class FragmentError(ValueError):
@@ -59,14 +62,34 @@ class Fragment:
         flat[self.index] = values
 
 
-def fragment_layout(model: nn.Module, count: int) -> list[Fragment]:
-    """Split the model's parameters into `count` balanced fragments of strided layer groups."""
+def fragment_layout(model: nn.Module, count: int, layout: str = "strided") -> list[Fragment]:
+    """Split the model's parameters into `count` fragments: strided layer groups, or balanced tensor bins."""
     named = list(model.named_parameters())
     if count < 1:
         raise FragmentError(f"fragments must be >= 1, got {count}")
+    if layout not in LAYOUTS:
+        raise FragmentError(f"unknown fragment layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     if count == 1:
         sizes = tuple(parameter.numel() for _, parameter in named)
         return [Fragment(0, 1, slice(None), sizes, sum(sizes))]
+    owner = _strided_owners(named, count) if layout == "strided" else _balanced_owners(named, count)
+    return _fragments(named, owner, count)
+
+
+def _balanced_owners(named: list[tuple[str, nn.Parameter]], count: int) -> dict[int, int]:
+    """Longest-processing-time bin-packing of whole tensors: largest first, each into the lightest fragment."""
+    if len(named) < count:
+        raise FragmentError(f"the model has {len(named)} tensors, fewer than {count} fragments; use fewer")
+    owner: dict[int, int] = {}
+    load = [0] * count
+    for position in sorted(range(len(named)), key=lambda p: (-named[p][1].numel(), p)):
+        owner[position] = min(range(count), key=lambda f: (load[f], f))
+        load[owner[position]] += named[position][1].numel()
+    return owner
+
+
+def _strided_owners(named: list[tuple[str, nn.Parameter]], count: int) -> dict[int, int]:
+    """Block i to fragment i mod P, then the other tensors, largest first, to the lightest fragment."""
     blocks = sorted({int(m.group(1)) for name, _ in named if (m := _BLOCK.search(name))})
     units = len(blocks) + sum(1 for name, _ in named if not _BLOCK.search(name))
     if units < count:
@@ -84,7 +107,11 @@ def fragment_layout(model: nn.Module, count: int) -> list[Fragment]:
     for position in rest:
         owner[position] = min(range(count), key=lambda f: (load[f], f))
         load[owner[position]] += named[position][1].numel()
+    return owner
 
+
+def _fragments(named: list[tuple[str, nn.Parameter]], owner: dict[int, int], count: int) -> list[Fragment]:
+    """The fragments of an assignment of tensors (by position) to fragment numbers."""
     ranges: list[list[torch.Tensor]] = [[] for _ in range(count)]
     sizes: list[list[int]] = [[] for _ in range(count)]
     offset = 0

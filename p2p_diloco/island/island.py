@@ -63,7 +63,7 @@ class Island:
         self.fingerprint = run_fingerprint(self.trainer.model, config, self.trainer.data.tokenizer)
         train, network = config.train, config.network
         self.state = OuterState.for_run(self.trainer.weights(), config, self.fingerprint)
-        self.fragments: list[Fragment] = fragment_layout(self.trainer.model, train.fragments)
+        self.fragments: list[Fragment] = fragment_layout(self.trainer.model, train.fragments, train.fragment_layout)
         self.error_feedback = {f.number: ErrorFeedback() for f in self.fragments} if network.error_feedback else None
         self.grace = GraceWindow(
             mode=network.grace,

@@ -105,8 +105,9 @@ class LeaderTrainer(LocalTrainer):
         super().load_state_dict(local)
 
     def close(self) -> None:
-        """Tell the other ranks the island is done."""
+        """Tell the other ranks the island is done, and wait until they all heard it."""
         self.ranks.send(Command.STOP)
+        self.ranks.barrier()  # tearing the group down while a rank still reads from it can abort the process
 
 
 LOCAL_STATE_KEYS = (
@@ -156,6 +157,7 @@ def follow(config: PeerConfig, ranks: RankGroup) -> None:
     while True:
         command, argument = ranks.receive()
         if command is Command.STOP:
+            ranks.barrier()
             return
         if command is Command.OPEN_STREAM:
             trainer.open_stream(ranks.share())

@@ -30,6 +30,8 @@ from p2p_diloco.train.tokenizer import Tokenizer
 def run_fingerprint(model: torch.nn.Module, config: PeerConfig, tokenizer: Tokenizer | None = None) -> str:
     """Identifies what islands must share: parameter names and shapes, the model config, the tokenizer, the schema."""
     schema = "rda" if config.network.merge == "rda" else "flat"
+    if config.train.fragment_layout != "strided":  # islands must cut the same fragments (strided: as before)
+        schema += f"|fragments:{config.train.fragment_layout}"
     text = model_fingerprint(model) + model_identity(config.model) + schema
     if tokenizer is not None and tokenizer.fingerprint != "bytes":
         text += f"|tokenizer:{tokenizer.fingerprint}"
