@@ -27,7 +27,7 @@ from lib.common import TINY, benchmark_parser, provenance, run_islands, write_re
 from p2p_diloco.config import load_config
 from p2p_diloco.train.model import build_model, count_parameters
 
-CODECS = ["fp32", "fp16", "bf16", "int8", "int4"]
+CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int2"]
 
 
 def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path) -> dict:

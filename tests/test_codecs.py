@@ -10,6 +10,10 @@ Error bounds are measured on N(0,1) values (100_003 of them, seeded) and hold wi
                                                      the widest gap of the map x block absmax (+1%: see below)
     int4   9.6e-2                        0.11        NF4, 128-value blocks: per value <= half the widest NF4 gap
                                                      (0.139) x block absmax
+    int2   0.34                          0.36        Lloyd-Max levels x block RMS: inside the outer levels per
+                                                     value <= half the widest gap (0.53) x RMS, beyond them
+                                                     the distance to the outer level (the Gaussian optimum,
+                                                     sqrt(0.1175) = 0.343)
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from p2p_diloco.net.codecs import (
 
 SIZES = [1, 2, 127, 4095, 4097, 100_003]  # block sizes are 128 (int4) and 256 (int8)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-L2_BOUND = {"fp32": 0.0, "fp16": 3e-4, "bf16": 2.5e-3, "int8": 1.4e-2, "int4": 0.11}
+L2_BOUND = {"fp32": 0.0, "fp16": 3e-4, "bf16": 2.5e-3, "int8": 1.4e-2, "int4": 0.11, "int2": 0.36}
 
 
 def gaussian(size: int, seed: int = 0) -> torch.Tensor:
@@ -65,6 +69,15 @@ def block_absmax(values: torch.Tensor, block_size: int) -> torch.Tensor:
     return padded.view(blocks, block_size).amax(dim=1).repeat_interleave(block_size)[: values.numel()]
 
 
+def block_rms(values: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Each value's block RMS over the values the block holds (the last block may be short)."""
+    rows = []
+    for start in range(0, values.numel(), block_size):
+        block = values[start : start + block_size]
+        rows.append(block.square().mean().sqrt().expand(block.numel()))
+    return torch.cat(rows)
+
+
 def per_value_bound(name: str, values: torch.Tensor) -> torch.Tensor:
     """The largest error each value may get from codec `name` (round to nearest)."""
     codec = CODECS[name]
@@ -76,6 +89,10 @@ def per_value_bound(name: str, values: torch.Tensor) -> torch.Tensor:
         return values.abs() * 2.0**-8
     code = codec._code_table()
     half_gap = float((code.sort().values.diff().max()) / 2)
+    if name == "int2":
+        rms = block_rms(values, codec.block_size)
+        beyond = values.abs() - float(code.abs().max()) * rms  # outside the outer levels: clipped to them
+        return torch.maximum(rms * half_gap, beyond) * (1 + 2.0**-20) + 2.0**-30
     if name == "int8":  # bitsandbytes' CPU search takes the second-nearest code for ~0.15% of values that sit
         half_gap *= 1.01  # within a hair of a midpoint: their error exceeds half the gap by up to 0.3%
     return block_absmax(values, codec.block_size) * (half_gap + 2.0**-20)  # + fp32 rounding of the scaling
@@ -141,7 +158,7 @@ def test_zero_and_constant_tensors(name: str) -> None:
             assert float((decoded - values).abs().max()) <= float(per_value_bound(name, values).max())
 
 
-@pytest.mark.parametrize("name", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4", "int2"])
 def test_relative_error_does_not_depend_on_scale(name: str) -> None:
     values = gaussian(100_003)
     errors = [relative_error(round_trip(name, values * scale), values * scale) for scale in (1e-6, 1.0, 1e6)]
@@ -164,7 +181,7 @@ def test_nan_survives_coding(name: str) -> None:
     assert torch.isnan(poisoned).all()
 
 
-@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 def test_a_non_finite_value_poisons_exactly_its_block(name: str) -> None:
     block = CODECS[name].block_size
     values = gaussian(4 * block + 5)
@@ -199,7 +216,7 @@ def test_bits_on_the_wire(name: str) -> None:
     assert codec.estimate_compression_ratio(CompressionInfo.from_tensor(values)) == bits_per_value(name) / 32
 
 
-def test_install_replaces_only_slots_hivemind_cannot_use() -> None:
+def test_install_replaces_only_slots_hivemind_cannot_use_and_the_unused_one() -> None:
     install()  # idempotent
     registry = hivemind_serialization._BASE_COMPRESSION_TYPES
     for codec in CODECS.values():
@@ -207,7 +224,8 @@ def test_install_replaces_only_slots_hivemind_cannot_use() -> None:
         if slot != "NONE":
             assert registry[slot] is codec
     assert type(registry["NONE"]) is NoCompression
-    assert type(registry["MEANSTD_16BIT"]) is ScaledFloat16Compression
+    assert type(registry["MEANSTD_16BIT"]) is not ScaledFloat16Compression  # unused here: int2 holds it
+    assert registry["MEANSTD_16BIT"] is CODECS["int2"]
     assert len({codec.compression_type for codec in CODECS.values()}) == len(CODECS)
 
 
@@ -353,5 +371,6 @@ def test_bits_per_value_table() -> None:
         "bf16": 16.0,
         "int8": 8.125,
         "int4": 4.25,
+        "int2": 2.25,
     }
     assert math.isclose(32 / bits_per_value("int4"), 7.53, rel_tol=1e-3)

@@ -19,8 +19,10 @@ codec takes one enum value of its own and is installed in that registry when thi
                               all-reduce silently leaves the tensor unaveraged)
     int4   UNIFORM_8BIT       hivemind's Uniform8BitQuantization, broken under numpy 2 the same way
     bf16   QUANTILE_8BIT      hivemind's Quantile8BitQuantization, broken under numpy 2 the same way
+    int2   MEANSTD_16BIT      hivemind's ScaledFloat16Compression (mean/std fp16), which nothing here uses: the
+                              last free slot
 
-Only codecs that cannot work here are displaced; MEANSTD_16BIT is untouched. The three slots whose enum name does
+Only codecs that cannot work here, and the one unused slot, are displaced. The four slots whose enum name does
 not describe their new content carry a self-describing frame: a 12-byte header (magic, codec id, format version,
 a checksum of the code table, block size) before the payload. Bytes in one of those slots that are not our frame
 for that codec (a peer on stock hivemind, another codec, another bitsandbytes code table) raise
@@ -70,11 +72,12 @@ __all__ = [
 _MAGIC = b"p2dc"
 _FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sBBHI")  # magic, codec id, format version, code-table checksum, block size
-_CODEC_IDS = {"bf16": 1, "int8": 2, "int4": 3}
+_CODEC_IDS = {"bf16": 1, "int8": 2, "int4": 3, "int2": 4}
 _SLOTS = {
     "bf16": runtime_pb2.CompressionType.QUANTILE_8BIT,
     "int8": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
     "int4": runtime_pb2.CompressionType.UNIFORM_8BIT,
+    "int2": runtime_pb2.CompressionType.MEANSTD_16BIT,
 }
 
 
@@ -193,6 +196,7 @@ _STOCK_OCCUPANTS = {
     "BLOCKWISE_8BIT": "BlockwiseQuantization",
     "UNIFORM_8BIT": "Uniform8BitQuantization",
     "QUANTILE_8BIT": "Quantile8BitQuantization",
+    "MEANSTD_16BIT": "ScaledFloat16Compression",
 }
 
 
