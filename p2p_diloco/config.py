@@ -204,9 +204,15 @@ class NetworkConfig:
     merge: str = "tokens"
     """Merge rule: 'tokens' (w = c_tokens * c_tokens / c_steps), 'mean', or 'rda' (radial-directional)."""
     codec: str = "fp32"
-    """Pseudo-gradient codec on the wire: fp32, fp16, bf16, int8 (blockwise) or int4 (NF4); all islands must agree."""
+    """Pseudo-gradient codec on the wire: fp32, fp16, bf16, int8 (blockwise), int4 (NF4), int2 (2-bit) or topk
+    (sparse: see topk_density, topk_bits); all islands must agree."""
     error_feedback: bool = False
-    """Carry each round's quantization residual into the next round's pseudo-gradient (per fragment)."""
+    """Carry each round's quantization residual into the next round's pseudo-gradient (per fragment); always on
+    with codec topk."""
+    topk_density: float = 0.02
+    """Codec topk: the fraction of each chunk of 4096 pseudo-gradient values that is sent (the largest)."""
+    topk_bits: int = 2
+    """Codec topk: bits per sent value, 2 or 4 (a sign and a magnitude between the block's smallest and largest)."""
     max_staleness: int = 4
     """A contribution more outer steps behind the swarm than this is rejected (the island resyncs instead)."""
     staleness_discount: float = 0.5

@@ -69,6 +69,16 @@ def _validate_workload(config: PeerConfig) -> None:
     if not data.text_field:
         raise ConfigError("data.text_field must name the field that holds the text")
     _validate_island(config)
+    _validate_codec(config)
+
+
+def _validate_codec(config: PeerConfig) -> None:
+    """Error feedback and the sparse codec's options."""
+    network = config.network
+    if (network.error_feedback or network.codec == "topk") and network.merge == "rda":
+        raise ConfigError("network.error_feedback (and codec topk, which needs it) does not combine with merge 'rda'")
+    if not 0 < network.topk_density <= 1 or network.topk_bits not in (2, 4):
+        raise ConfigError("network.topk_density must be in (0, 1] and network.topk_bits 2 or 4")
 
 
 def _validate_island(config: PeerConfig) -> None:
@@ -136,8 +146,6 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError(f"train.mix_alpha={train.mix_alpha} must be in [0, 1]")
     if train.fragments > 1 and train.momentum_every > 1:
         raise ConfigError("Delayed Nesterov (train.momentum_every > 1) does not combine with train.fragments > 1")
-    if network.error_feedback and network.merge == "rda":
-        raise ConfigError("network.error_feedback does not combine with network.merge = 'rda'")
     if "." in network.run_id or not network.run_id:
         raise ConfigError(f"run id {network.run_id!r} must be non-empty and contain no '.'")
     if config.data.num_shards < 1:

@@ -19,6 +19,7 @@ from p2p_diloco.diloco.error_feedback import ErrorFeedback
 from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.merge import contribution_weight, is_finite, rda_decode, rda_encode
 from p2p_diloco.diloco.quantize import quantizer
+from p2p_diloco.diloco.sparse import topk_sparsify
 from p2p_diloco.diloco.staleness import StalenessRule, group_weights, own_clock, own_weight
 from p2p_diloco.island.rounds import Verdict
 from p2p_diloco.net.codecs import describe_strangers, strangers
@@ -47,12 +48,15 @@ class Contribution:
         codec: str,
         staleness_rule: StalenessRule,
         feedback: ErrorFeedback | None,
+        topk_density: float = 0.02,
     ):
         self.delta, self.fragment, self.metadata = delta, fragment, metadata
         self.peer_id, self.merge_rule, self.codec = peer_id, merge_rule, codec
         self.staleness_rule, self.feedback = staleness_rule, feedback
         self.compensated = delta if feedback is None else feedback.compensate(delta)
-        """What is sent: the pseudo-gradient plus the residual the codec dropped last round."""
+        """The pseudo-gradient plus the residual the codec dropped last round."""
+        self.sent = topk_sparsify(self.compensated, topk_density) if codec == "topk" else self.compensated
+        """What goes into the all-reduce (topk: the largest values of each chunk; the rest waits in the residual)."""
 
     @property
     def pre_digest(self) -> str:
@@ -68,12 +72,12 @@ class Contribution:
         """The vector that goes into the all-reduce."""
         if self.merge_rule == "rda":
             return rda_encode(self.compensated, self.fragment.tensor_sizes)
-        return self.compensated
+        return self.sent
 
     def _accept(self, merged: torch.Tensor) -> torch.Tensor:
         """The group's average of payloads, decoded into a pseudo-gradient; error feedback learns the residual."""
         if self.feedback is not None:
-            self.feedback.update(quantizer(self.codec).round_trip(self.compensated), self.compensated)
+            self.feedback.update(quantizer(self.codec).round_trip(self.sent), self.compensated)
         return rda_decode(merged, self.fragment.tensor_sizes) if self.merge_rule == "rda" else merged
 
     def _own(self, result: ExchangeResult, note: str | None) -> Verdict:

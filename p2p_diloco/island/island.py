@@ -64,7 +64,8 @@ class Island:
         train, network = config.train, config.network
         self.state = OuterState.for_run(self.trainer.weights(), config, self.fingerprint)
         self.fragments: list[Fragment] = fragment_layout(self.trainer.model, train.fragments, train.fragment_layout)
-        self.error_feedback = {f.number: ErrorFeedback() for f in self.fragments} if network.error_feedback else None
+        feedback = network.error_feedback or network.codec == "topk"  # topk leaves the most behind: always on
+        self.error_feedback = {f.number: ErrorFeedback() for f in self.fragments} if feedback else None
         self.grace = GraceWindow(
             mode=network.grace,
             initial_s=network.grace_s,
@@ -211,6 +212,7 @@ class Island:
             codec=network.codec,
             staleness_rule=self.staleness_rule,
             feedback=None if self.error_feedback is None else self.error_feedback[fragment.number],
+            topk_density=network.topk_density,
         )
 
     def _exchange(self, contribution: Contribution, compute_s: float, ready: float) -> Verdict:

@@ -244,7 +244,7 @@ def connect(
     or protocol) and start the exchange."""
     start = time.monotonic()
     # Before any fork: the int8 codec loads bitsandbytes, which the averager process must inherit.
-    compression = get_compression(network.codec)
+    compression = get_compression(network.codec, network.topk_bits)
     network.identity = ensure_identity(network.identity)
     membership = private_membership(network)  # a bad token is a one-line error before anything starts
     remembered = [m for m in read_peers_file(network.peers_file) if m not in network.initial_peers]

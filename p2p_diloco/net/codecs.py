@@ -20,7 +20,8 @@ codec takes one enum value of its own and is installed in that registry when thi
     int4   UNIFORM_8BIT       hivemind's Uniform8BitQuantization, broken under numpy 2 the same way
     bf16   QUANTILE_8BIT      hivemind's Quantile8BitQuantization, broken under numpy 2 the same way
     int2   MEANSTD_16BIT      hivemind's ScaledFloat16Compression (mean/std fp16), which nothing here uses: the
-                              last free slot
+    topk   MEANSTD_16BIT      last free slot, shared by two codecs (`SharedSlot`: decoded by the codec id in the
+                              frame, encoded with the codec this process's island uses)
 
 Only codecs that cannot work here, and the one unused slot, are displaced. The four slots whose enum name does
 not describe their new content carry a self-describing frame: a 12-byte header (magic, codec id, format version,
@@ -72,12 +73,13 @@ __all__ = [
 _MAGIC = b"p2dc"
 _FORMAT_VERSION = 1
 _HEADER = struct.Struct("<4sBBHI")  # magic, codec id, format version, code-table checksum, block size
-_CODEC_IDS = {"bf16": 1, "int8": 2, "int4": 3, "int2": 4}
+_CODEC_IDS = {"bf16": 1, "int8": 2, "int4": 3, "int2": 4, "topk": 5}
 _SLOTS = {
     "bf16": runtime_pb2.CompressionType.QUANTILE_8BIT,
     "int8": runtime_pb2.CompressionType.BLOCKWISE_8BIT,
     "int4": runtime_pb2.CompressionType.UNIFORM_8BIT,
     "int2": runtime_pb2.CompressionType.MEANSTD_16BIT,
+    "topk": runtime_pb2.CompressionType.MEANSTD_16BIT,
 }
 
 
@@ -191,6 +193,39 @@ def _wire_codec(name: str) -> CompressionBase:
 CODECS: dict[str, CompressionBase] = {name: _wire_codec(name) for name in CODEC_NAMES}
 """Codec instances by name (the names of `p2p_diloco.diloco.quantize.CODEC_NAMES`)."""
 
+
+class SharedSlot(CompressionBase):
+    """Several of our framed codecs in one enum slot (hivemind's enum has six values, we have seven codecs).
+
+    Parts are decoded by the codec id in their frame; reducers re-encode merged parts with `active`, the codec of
+    this process's island: the members of a group always share one codec (matchmaking keys on it).
+    """
+
+    def __init__(self, codecs: list[FramedCodec]) -> None:
+        super().__init__()
+        self.by_id = {codec.codec_id: codec for codec in codecs}
+        self.active = codecs[0]
+        self.compression_type = codecs[0].compression_type
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return self.active.compress(tensor, info, allow_inplace)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        buffer = serialized_tensor.buffer
+        framed = len(buffer) >= _HEADER.size and buffer[: len(_MAGIC)] == _MAGIC
+        codec_id = _HEADER.unpack_from(buffer)[1] if framed else None
+        return self.by_id.get(codec_id, self.active).extract(serialized_tensor)  # else `active` names the mismatch
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.active.estimate_compression_ratio(info)
+
+    def __repr__(self) -> str:
+        return f"p2p_diloco.net.codecs.SharedSlot({', '.join(c.name for c in self.by_id.values())})"
+
+
+SHARED_SLOTS = {"MEANSTD_16BIT": SharedSlot([CODECS["int2"], CODECS["topk"]])}
+"""The slots that hold more than one codec."""
+
 _STOCK_OCCUPANTS = {
     "FLOAT16": "Float16Compression",
     "BLOCKWISE_8BIT": "BlockwiseQuantization",
@@ -211,26 +246,33 @@ def install() -> None:
         slot = runtime_pb2.CompressionType.Name(codec.compression_type)
         if slot == "NONE":
             continue  # hivemind's NoCompression already is our fp32 codec
+        occupant = SHARED_SLOTS.get(slot, codec)
         current = registry[slot]
-        if current is codec:
+        if current is occupant:
             continue
         if type(current).__name__ != _STOCK_OCCUPANTS[slot] or type(current).__module__.split(".")[0] != "hivemind":
             raise RuntimeError(f"hivemind compression slot {slot} already holds {current!r}; cannot install {codec!r}")
-        registry[slot] = codec
+        registry[slot] = occupant
 
 
 install()
 
 
-def get_compression(name: str) -> CompressionBase:
+def get_compression(name: str, topk_bits: int | None = None) -> CompressionBase:
     """The codec `name` as a hivemind CompressionBase (for GossipExchange(compression=...)).
 
     Call it before the averager process starts: int8 imports bitsandbytes here (seconds) so that the forked
-    averager inherits the loaded library instead of importing it in the middle of its first all-reduce.
+    averager inherits the loaded library instead of importing it in the middle of its first all-reduce. It also
+    makes `name` the codec its slot re-encodes with when the slot is shared, and sets topk's value bits.
     """
     quantizer(name)  # the one-line error for an unknown name
     install()
     codec = CODECS[name]
+    slot = SHARED_SLOTS.get(runtime_pb2.CompressionType.Name(codec.compression_type))
+    if slot is not None:
+        slot.active = codec
+    if topk_bits is not None:
+        quantizer("topk").value_bits = topk_bits
     if isinstance(codec, FramedCodec):
         codec.warm_up()
     return codec

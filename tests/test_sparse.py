@@ -1,0 +1,120 @@
+"""Sparse pseudo-gradients: top-k selection, the wire format, exact merges of different positions, a swarm."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import LocalSwarm
+
+from p2p_diloco.diloco.error_feedback import ErrorFeedback
+from p2p_diloco.diloco.quantize import CodecMismatchError, quantizer
+from p2p_diloco.diloco.sparse import CHUNK, decode_sparse, encode_sparse, topk_sparsify
+
+
+def gaussian(size: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(size, generator=torch.Generator().manual_seed(seed))
+
+
+def test_topk_keeps_the_largest_values_of_every_chunk() -> None:
+    values = gaussian(3 * CHUNK + 100)
+    sparse = topk_sparsify(values, 0.02)
+    keep = math.ceil(0.02 * CHUNK)
+    for start in range(0, 3 * CHUNK, CHUNK):
+        chunk, kept = values[start : start + CHUNK], sparse[start : start + CHUNK]
+        assert int((kept != 0).sum()) == keep
+        threshold = chunk.abs().topk(keep).values.min()
+        assert torch.equal(kept != 0, chunk.abs() >= threshold)
+        assert torch.equal(kept[kept != 0], chunk[kept != 0])  # kept values are untouched
+    assert int((sparse[3 * CHUNK :] != 0).sum()) == keep  # a short last chunk has the same budget
+
+
+def test_a_nan_is_always_selected() -> None:
+    values = gaussian(CHUNK)
+    values[17] = float("nan")
+    assert torch.isnan(topk_sparsify(values, 0.001)[17])
+
+
+@pytest.mark.parametrize(("bits", "bound"), [(2, 0.2), (4, 0.05)])
+def test_the_wire_keeps_every_position_and_values_within_their_bits(bits: int, bound: float) -> None:
+    sparse = topk_sparsify(gaussian(100_003), 0.02)
+    decoded = decode_sparse(encode_sparse(sparse, bits), sparse.numel())
+    assert torch.equal(decoded != 0, sparse != 0)
+    assert torch.equal(decoded.sign(), sparse.sign())
+    assert float((decoded - sparse).norm() / sparse.norm()) < bound
+    bits_per_nonzero = 8 * len(encode_sparse(sparse, bits)) / int((sparse != 0).sum())
+    assert bits_per_nonzero < 8 + bits + 1.2  # one varint byte per gap under 128, block ranges, header
+    print(f"{bits}-bit values: {bits_per_nonzero:.2f} bits per nonzero")
+
+
+def test_contributions_with_different_positions_merge_exactly() -> None:
+    """A reducer's weighted mean of decoded sparse parts goes back with the union of their positions."""
+    parts = [topk_sparsify(gaussian(20_000, seed), 0.02) for seed in (1, 2, 3)]
+    decoded = [decode_sparse(encode_sparse(part, 4), part.numel()) for part in parts]
+    weights = torch.tensor([1.0, 2.0, 0.5])
+    merged = sum(w * d for w, d in zip(weights, decoded)) / weights.sum()
+    back = decode_sparse(encode_sparse(merged, 4), merged.numel())
+    union = torch.stack([part != 0 for part in parts]).any(dim=0)
+    assert torch.equal(back != 0, union)  # every position of every contribution survives the return trip
+    assert int(union.sum()) > 2.5 * int((parts[0] != 0).sum())  # their positions really differ
+    # 4-bit magnitudes of the merge: its range is wider than one contribution's (weights, overlaps)
+    assert float((back - merged).norm() / merged.norm()) < 0.1
+
+
+def test_error_feedback_sends_everything_eventually() -> None:
+    """With feedback, the sum of what was sent trails the sum of the deltas by exactly the current residual."""
+    feedback, codec = ErrorFeedback(), quantizer("topk")
+    total_delta, total_sent = torch.zeros(8192), torch.zeros(8192)
+    for round_number in range(30):
+        delta = gaussian(8192, seed=round_number)
+        compensated = feedback.compensate(delta)
+        sent = codec.round_trip(topk_sparsify(compensated, 0.02))
+        feedback.update(sent, compensated)
+        total_delta += delta
+        total_sent += sent
+    assert torch.allclose(total_sent + feedback.residual, total_delta, atol=1e-3)
+    without = sum(topk_sparsify(gaussian(8192, seed=r), 0.02) for r in range(30))
+    error_with = float((total_sent - total_delta).norm() / total_delta.norm())
+    error_without = float((without - total_delta).norm() / total_delta.norm())
+    assert error_with < 0.8 * error_without, (error_with, error_without)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "count", "position"])
+def test_a_malformed_sparse_payload_is_a_codec_mismatch(damage: str) -> None:
+    sparse = topk_sparsify(gaussian(5000), 0.02)
+    payload = bytearray(encode_sparse(sparse, 2))
+    numel = sparse.numel()
+    if damage == "truncated":
+        payload = payload[:-3]
+    elif damage == "count":
+        payload[1:5] = (10**6).to_bytes(4, "little")
+    else:
+        numel = 100  # the payload's positions run past the vector
+    with pytest.raises(CodecMismatchError):
+        quantizer("topk").decode(bytes(payload), numel, 0)
+
+
+def test_topk_islands_merge_into_the_same_anchor_with_a_fraction_of_the_bytes(local_swarm: LocalSwarm) -> None:
+    local_swarm.bootstrap()
+    args = ["--outer-steps", "4", "--quorum", "2", "--target-group-size", "2", "--wait-for-islands", "2"]
+    args += ["--num-shards", "2"]
+    islands = [local_swarm.peer(f"topk-{i}", *args, "--codec", "topk", "--shard-index", str(i)) for i in range(2)]
+    for island in islands:
+        assert island.wait(240) == 0, island.log_text()[-3000:]
+    first, second = (island.records() for island in islands)
+    by_step = {r["outer_step"]: r for r in second}
+    merged = [r for r in first if r["merged"] and by_step.get(r["outer_step"], {}).get("merged")]
+    assert len(merged) >= 3, [(r["outer_step"], r["merged"], r["note"]) for r in first]
+    for record in merged:
+        assert record["anchor_digest"] == by_step[record["outer_step"]]["anchor_digest"]
+    from conftest import TINY
+
+    from p2p_diloco.config import load_config
+    from p2p_diloco.train.model import build_model, count_parameters
+
+    parameters = count_parameters(build_model(load_config(TINY).model, seed=0))
+    fp32_bytes = parameters * 4  # what an fp32 round sends, about the vector once
+    sent = [r["bytes_sent"] / fp32_bytes for r in merged]
+    assert max(sent) < 0.1, sent  # 2% of the values at about 11 bits each, and the union on the way back
+    assert first[-1]["eval_loss"] < first[0]["eval_loss"]
