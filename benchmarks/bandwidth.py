@@ -1,7 +1,8 @@
 """Bytes on the wire per training token, per codec, against data-parallel; and what each codec costs in quality.
 
-For H in {50, 100} and every codec (fp32, fp16, bf16, int8, int4), 4 islands train the default model for the
-same number of tokens, every round merging all four (quorum 4, so codecs are compared on identical schedules).
+For H in {50, 100} and every codec (fp32, fp16, bf16, int8, int4, int2, topk at 2% with 2-bit values), 4 islands
+train the default model for the same number of tokens, every round merging all four (quorum 4, so codecs are
+compared on identical schedules); H = 100 runs with 3 seeds (`--seeds`), and the figures are their means.
 Each island counts the payload bytes its all-reduce sends and the TCP bytes its libp2p daemon sends (framing,
 encryption, DHT and matchmaking included). Data-parallel with a ring all-reduce sends 2·P·4 bytes per worker
 per step (P parameters, fp32), so
@@ -9,11 +10,12 @@ per step (P parameters, fp32), so
     ratio_vs_data_parallel = (2·P·4 / tokens per step) / (payload bytes sent per island / tokens per island)
 
 `ratio_vs_ring_same_peers` uses the exact ring cost among the same 4 peers, 2·(M−1)/M·P·4, instead, and
-`transport_ratio_vs_data_parallel` counts TCP bytes instead of payload bytes.
+`transport_ratio_vs_data_parallel` counts TCP bytes instead of payload bytes, and `tcp_over_payload` is TCP
+bytes over payload bytes (framing, encryption, DHT and matchmaking chatter on top of the payload).
 
     python benchmarks/bandwidth.py           # H = 50 and 100, 5 codecs, default model (about 6 minutes on 2 cores)
     python benchmarks/bandwidth.py --quick   # the same grid on the tiny model, fewer steps
-    python benchmarks/bandwidth.py --smoke   # fp32 and int8, 2 islands, tiny model (used by the tests)
+    python benchmarks/bandwidth.py --smoke   # fp32, int8 and topk, 2 islands, tiny model (used by the tests)
 """
 
 from __future__ import annotations
@@ -27,13 +29,14 @@ from lib.common import TINY, benchmark_parser, provenance, run_islands, write_re
 from p2p_diloco.config import load_config
 from p2p_diloco.train.model import build_model, count_parameters
 
-CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int2"]
+CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "topk"]
 
 
-def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path) -> dict:
-    """One swarm with one codec and H; returns its row."""
-    name = f"bandwidth-h{inner_steps}-{codec}"
+def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path, seed: int = 0) -> dict:
+    """One swarm with one codec, H and seed; returns its row."""
+    name = f"bandwidth-h{inner_steps}-{codec}" + (f"-seed{seed}" if seed else "")
     flags = ["--inner-steps", str(inner_steps), "--outer-steps", str(outer_steps), "--codec", codec]
+    flags += ["--seed", str(seed)]
     flags += ["--num-shards", str(args.islands), "--quorum", str(args.islands)]
     flags += ["--target-group-size", str(args.islands), "--averaging-timeout", "120", "--batch-size", "8"]
     flags += ["--eval-batches", "16"]
@@ -66,6 +69,7 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
     row = {
         "codec": codec,
         "H": inner_steps,
+        "seed": seed,
         "outer_steps": outer_steps,
         "islands": args.islands,
         "parameters": parameters,
@@ -76,13 +80,14 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
         "ratio_vs_data_parallel": dp_bytes_per_token / per_token if per_token else None,
         "ratio_vs_ring_same_peers": ring_bytes_per_token / per_token if per_token else None,
         "transport_ratio_vs_data_parallel": dp_bytes_per_token / transport_per_token if transport_per_token else None,
+        "tcp_over_payload": transport_per_token / per_token if per_token else None,
         "final_eval_loss": sum(finals) / len(finals) if finals else None,
         "merged_rounds": merged_rounds,
         "exit_codes": exit_codes,
         "wall_s": wall,
     }
     print(
-        f"H={inner_steps:<4} {codec:<5} payload {per_token:8.2f} B/token  ratio vs DP "
+        f"H={inner_steps:<4} seed {seed} {codec:<5} payload {per_token:8.2f} B/token  ratio vs DP "
         f"{row['ratio_vs_data_parallel'] or 0:7.1f}x  (TCP {row['transport_ratio_vs_data_parallel'] or 0:6.1f}x)  "
         f"eval {row['final_eval_loss'] or float('nan'):.4f}  {wall:.0f}s",
         flush=True,
@@ -102,7 +107,7 @@ def plot(rows: list[dict], path: Path) -> None:
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(values_of_h)
     for offset, h in enumerate(values_of_h):
-        by_codec = {row["codec"]: row for row in rows if row["H"] == h}
+        by_codec = mean_rows(rows, h)
         xs = [i + offset * width for i in range(len(codecs))]
         left.bar(xs, [by_codec[c]["ratio_vs_data_parallel"] or 0 for c in codecs], width, label=f"H={h}")
         right.bar(xs, [by_codec[c]["final_eval_loss"] or 0 for c in codecs], width, label=f"H={h}")
@@ -117,28 +122,49 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
+FIGURES = (
+    "ratio_vs_data_parallel",
+    "ratio_vs_ring_same_peers",
+    "transport_ratio_vs_data_parallel",
+    "tcp_over_payload",
+    "final_eval_loss",
+)
+
+
+def mean_rows(rows: list[dict], h: int) -> dict[str, dict]:
+    """Per codec at H = h: each figure's mean over seeds, the seeds, and the final eval's spread."""
+    by_codec: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["H"] == h:
+            by_codec.setdefault(row["codec"], []).append(row)
+    means = {}
+    for codec, group in by_codec.items():
+        mean = {}
+        for figure in FIGURES:
+            values = [row[figure] for row in group if row[figure] is not None]
+            mean[figure] = sum(values) / len(values) if values else None
+        losses = [row["final_eval_loss"] for row in group if row["final_eval_loss"] is not None]
+        mean.update(seeds=[row["seed"] for row in group], eval_spread=max(losses) - min(losses) if losses else None)
+        means[codec] = mean
+    return means
+
+
 def summarise(rows: list[dict], grid: dict[int, int]) -> dict:
-    """The figures at the largest H, and per H, from every (H, codec) row."""
+    """The figures at the largest H (means over its seeds), and per H."""
     target_h = max(grid)
-    at_target = {row["codec"]: row for row in rows if row["H"] == target_h}
+    at_target = mean_rows(rows, target_h)
     fp32_loss = at_target["fp32"]["final_eval_loss"] if "fp32" in at_target else None
     return {
         "H": target_h,
-        "ratio_vs_data_parallel": {c: row["ratio_vs_data_parallel"] for c, row in at_target.items()},
-        "final_eval_loss": {c: row["final_eval_loss"] for c, row in at_target.items()},
+        "seeds": sorted({row["seed"] for row in rows if row["H"] == target_h}),
+        **{figure: {c: row[figure] for c, row in at_target.items()} for figure in FIGURES},
+        "final_eval_spread": {c: row["eval_spread"] for c, row in at_target.items()},
         "loss_vs_fp32": {
             c: (row["final_eval_loss"] / fp32_loss - 1.0) if fp32_loss and row["final_eval_loss"] else None
             for c, row in at_target.items()
         },
         "by_H": {
-            str(h): {
-                "ratio_vs_data_parallel": {r["codec"]: r["ratio_vs_data_parallel"] for r in rows if r["H"] == h},
-                "ratio_vs_ring_same_peers": {r["codec"]: r["ratio_vs_ring_same_peers"] for r in rows if r["H"] == h},
-                "transport_ratio_vs_data_parallel": {
-                    r["codec"]: r["transport_ratio_vs_data_parallel"] for r in rows if r["H"] == h
-                },
-                "final_eval_loss": {r["codec"]: r["final_eval_loss"] for r in rows if r["H"] == h},
-            }
+            str(h): {figure: {c: row[figure] for c, row in mean_rows(rows, h).items()} for figure in FIGURES}
             for h in grid
         },
     }
@@ -157,10 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = benchmark_parser(
         __doc__,
         quick="tiny model, fewer outer steps",
-        smoke="fp32 and int8, 2 islands, tiny model, H = 10",
+        smoke="fp32, int8 and topk, 2 islands, tiny model, H = 10",
         out="where the JSON and PNG go",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds at the largest H (default 3; 1 with --smoke)")
+    parser.add_argument("--codecs", nargs="+", choices=CODECS, help="only these codecs (default: all)")
     args = parser.parse_args(argv)
     args.islands, args.tiny = 4, False
     grid = {50: 4, 100: 2}  # H -> outer steps: every H sees the same number of tokens
@@ -168,12 +196,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.tiny, grid = True, {50: 4, 100: 2}
     if args.smoke:
-        args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8"]
+        args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8", "topk"]
+    codecs = args.codecs or codecs
+    seeds = 1 if args.smoke else args.seeds
     runs = args.out / "bandwidth-runs"
-    rows = [run_one(codec, h, steps, args, runs) for h, steps in grid.items() for codec in codecs]
+    rows = [
+        run_one(codec, h, steps, args, runs, seed)
+        for h, steps in grid.items()
+        for seed in range(seeds if h == max(grid) else 1)
+        for codec in codecs
+    ]
     result = {
         **summarise(rows, grid),
-        "targets": {"int8_ratio_at_H100": 400, "int4_ratio_at_H100": 800, "loss_within": 0.005},
+        "targets": {
+            "int8_ratio_at_H100": 400,
+            "int4_ratio_at_H100": 800,
+            "topk_ratio_at_H100": 10_000,
+            "topk_loss_within": 0.01,
+            "tcp_over_payload": 1.5,
+        },
         "rows": rows,
         "notes": NOTES,
         **provenance("bandwidth.py", argv),

@@ -115,11 +115,13 @@ def bandwidth(data: dict) -> str:
                     codec,
                     ratio,
                     block.get("transport_ratio_vs_data_parallel", {}).get(codec),
+                    block.get("tcp_over_payload", {}).get(codec),
                     block.get("final_eval_loss", {}).get(codec),
                 ]
             )
-    header = ["H", "codec", "payload: x less than data-parallel", "TCP: x less", "final eval loss"]
-    return _table(header, rows)
+    header = ["H", "codec", "payload: x less than data-parallel", "TCP: x less", "TCP / payload", "final eval loss"]
+    seeds = data.get("seeds")
+    return (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + _table(header, rows)
 
 
 def utilization(data: dict) -> str:

@@ -29,9 +29,10 @@ def test_bandwidth_benchmark_smoke(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "bandwidth-smoke.json").read_text())
     assert {"H", "ratio_vs_data_parallel", "final_eval_loss", "command", "date", "machine"} <= set(result)
     ratios = result["ratio_vs_data_parallel"]
-    assert set(ratios) == {"fp32", "int8"}
+    assert set(ratios) == {"fp32", "int8", "topk"} == set(result["tcp_over_payload"])
     # 2 islands send about 1 value per value and round; int8 about a quarter of fp32's bytes
     assert ratios["fp32"] > 1 and 3.0 < ratios["int8"] / ratios["fp32"] < 4.1, ratios
+    assert ratios["topk"] / ratios["fp32"] > 30, ratios  # 2% of the values at about 11 bits each
     for row in result["rows"]:
         assert row["merged_rounds"] > 0 and row["transport_bytes_per_token"] > row["payload_bytes_per_token"]
     assert (tmp_path / "bandwidth-smoke.png").stat().st_size > 0
