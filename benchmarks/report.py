@@ -100,6 +100,19 @@ def simulator(data: dict) -> str:
     text = _table(header, rows)
     if "paper" in data:
         text += f"\n\npaper: {json.dumps(data['paper'])}"
+    if "paper_comparison" in data:
+        setting = data["paper_comparison_setting"]
+        rows = [
+            [f"{r['chips']:,}", r["system"], r["islands"], r["ours"], r["paper"], r["difference_points"]]
+            for r in data["paper_comparison"]
+        ]
+        text += (
+            f"\n\nThe paper's table with elastic learners (reconfig_s {setting['reconfig_s']:.1f} s, calibrated to "
+            f"{setting['calibrated_to']}):\n\n"
+            + _table(["chips", "system", "M", "ours", "paper", "points"], rows)
+            + "\n\nAssumptions that differ:\n\n"
+            + "\n".join(f"- {line}" for line in setting["assumptions_that_differ"])
+        )
     return text
 
 

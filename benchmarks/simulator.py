@@ -72,6 +72,7 @@ from dataclasses import asdict, fields
 from lib.common import benchmark_parser, provenance, write_result
 from lib.simulation import METHODS, RECOVERY, Params, simulate_data_parallel, simulate_elastic
 from lib.simulation_p2p import simulate_p2p
+from lib.simulation_paper import paper_comparison
 from lib.simulation_report import PAPER, compare_with_paper, notes, plot, sensitivity, sensitivity_table, table
 
 from p2p_diloco.diloco.merge import MERGE_RULES
@@ -190,6 +191,14 @@ def main(argv: list | None = None) -> int:
     comparison = compare_with_paper(rows)
     variants = sensitivity(islands_list, params, args.seed)
     print_results(rows, comparison, variants)
+    paper = paper_comparison(params, args.seed)
+    print(f"\nthe paper's table, elastic learners (reconfig_s calibrated to {paper['reconfig_s']:.1f} s):")
+    for row in paper["rows"]:
+        system = f"{row['system']} M={row['islands']}" if row["system"] == "p2p_diloco" else row["system"]
+        print(
+            f"  {row['chips'] / 1e6:.1f}M chips {system:<22} ours {100 * row['ours']:5.1f}%  "
+            f"paper {100 * row['paper']:4.0f}%  ({row['difference_points']:+.1f} points)"
+        )
     name = "simulator-quick" if args.quick else "simulator"
     result = {
         **provenance("simulator.py", argv),
@@ -207,6 +216,13 @@ def main(argv: list | None = None) -> int:
         "rows": rows,
         "paper": PAPER,
         "comparison": comparison,
+        "paper_comparison": paper["rows"],
+        "paper_comparison_setting": {
+            "learners": "elastic",
+            "reconfig_s": paper["reconfig_s"],
+            "calibrated_to": "elastic data-parallel 58% at 1.2M chips (restart_s to data-parallel 27%)",
+            "assumptions_that_differ": paper["assumptions"],
+        },
         "sensitivity_at_1_2M_chips": variants,
         "notes": notes(rows, params, variants),
     }

@@ -84,7 +84,22 @@ def test_quick_main_writes_json_and_plot(tmp_path):
         assert 0.0 <= row["goodput"] <= 1.0
     assert {row["method"] for row in result["rows"]} == {"data_parallel", "elastic_data_parallel", "p2p_diloco"}
     assert result["paper"]["goodput"] == {"p2p_diloco": 0.88, "data_parallel": 0.27}
+    comparison = result["paper_comparison"]
+    assert len(comparison) == 8 and {row["chips"] for row in comparison} == {1_200_000, 2_400_000}
+    assert all({"chips", "system", "islands", "ours", "paper"} <= set(row) for row in comparison)
+    assert result["paper_comparison_setting"]["assumptions_that_differ"]
     assert (tmp_path / "simulator-quick.png").stat().st_size > 0
+
+
+def test_elastic_learners_lose_less_than_whole_island_restarts():
+    from dataclasses import replace
+
+    from lib.simulation_paper import simulate_elastic_learners
+
+    p = replace(sim.Params(), days=0.5)
+    elastic = simulate_elastic_learners(1_200_000, 8, p)["goodput"]
+    restarts = sim.simulate("p2p_diloco", 1_200_000, 8, p)["goodput"]
+    assert restarts < elastic < 1.0  # a learner never goes fully down, never rolls back, is never stale
 
 
 def test_recovery_modes():
