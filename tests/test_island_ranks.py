@@ -158,7 +158,15 @@ def test_a_killed_island_resumes_from_its_checkpoint_and_max_restarts_restarts_i
     assert again.records()[-1]["outer_step"] == 30 and before < 30
 
 
-@pytest.mark.parametrize("flags", [["--nnodes", "2"], ["--island-parallel", "zero"], ["--nproc-per-node", "0"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--nnodes", "2"],
+        ["--island-parallel", "zero"],
+        ["--nproc-per-node", "0"],
+        ["--nproc-per-node", "2", "--device", "cuda"],  # refused before any rank starts
+    ],
+)
 def test_bad_island_flags_are_one_line_errors(flags: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "p2p_diloco", "peer", "--config", str(TINY), "--solo", "true", *flags],

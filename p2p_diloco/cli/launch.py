@@ -42,6 +42,22 @@ def torchrun_arguments(config: PeerConfig, argv: list[str]) -> list[str]:
     return [*arguments, "-m", "p2p_diloco", *argv]
 
 
+def check_devices(config: PeerConfig) -> None:
+    """Refuse, before any rank starts, an island that asks for more GPUs than this node has (one per rank)."""
+    import torch
+
+    from p2p_diloco.errors import ConfigError
+    from p2p_diloco.train.devices import resolve_device
+
+    device = resolve_device(config.train.device)  # the one-line error for a device this machine lacks
+    ranks = config.island.nproc_per_node
+    if device.type == "cuda" and ranks > torch.cuda.device_count():
+        raise ConfigError(
+            f"--nproc-per-node {ranks} needs a GPU per rank; this node shows {torch.cuda.device_count()}: "
+            "lower --nproc-per-node or check CUDA_VISIBLE_DEVICES"
+        )
+
+
 def describe_failure(rank: int, failure: object) -> str:
     """One line on how a rank ended: its exit code or the signal that killed it."""
     code = getattr(failure, "exitcode", None)
@@ -57,6 +73,7 @@ def launch_island(config: PeerConfig, argv: list[str]) -> int:
     from torch.distributed.run import parse_args, run
 
     island = config.island
+    check_devices(config)
     print(
         f"p2p-diloco peer: starting an island of {island.nproc_per_node} ranks per node on {island.nnodes} node(s) "
         f"({island.parallel})",

@@ -61,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
     from p2p_diloco.island.ranks import launched_as_rank
 
     if wants_ranks(config.island) and not launched_as_rank():
-        return launch_island(config, args.argv)
+        try:
+            return launch_island(config, args.argv)
+        except UserError as error:
+            print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
+            return error.exit_code
     setup_logging(config.log_level)
     stop = GracefulStop("p2p-diloco peer").install()
     try:
