@@ -95,6 +95,14 @@ def test_an_fsdp_island_resumes_from_its_shards_on_the_same_and_on_fewer_ranks(t
     one_rank = run_island(tmp_path / "one-rank", "--outer-steps", "4", "--batch-size", "8", *fsdp)
     assert max_difference(straight, one_rank) < EQUAL
 
+    # DDP cannot take FSDP's sharded optimizer: a one-line error that says what to do, and nothing is deleted
+    command = [sys.executable, "-m", "p2p_diloco", "peer", "--config", str(TINY), *SOLO, "--outer-steps", "6"]
+    command += ["--checkpoint-dir", str(tmp_path / "one-rank"), "--nproc-per-node", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=180)
+    assert done.returncode != 0
+    assert "written by an FSDP island" in done.stderr and "--fresh" in done.stderr, done.stderr[-2000:]
+    assert latest_checkpoint(tmp_path / "one-rank") is not None
+
 
 def test_a_two_rank_island_and_a_one_rank_island_merge_every_round(local_swarm: LocalSwarm) -> None:
     local_swarm.bootstrap()

@@ -19,6 +19,7 @@ from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.inner import InnerResult, dynamic_inner_steps, make_inner_optimizer, run_inner_steps
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.island.ranks import RankGroup
+from p2p_diloco.train.checkpoint import CheckpointError
 from p2p_diloco.train.data import evaluate_batches
 from p2p_diloco.train.devices import Precision, host_buffer, memory_gb, resolve_device, resolve_precision
 from p2p_diloco.train.model import build_model, model_fingerprint, model_identity, model_vocab_size
@@ -224,7 +225,14 @@ class LocalTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume local training from `state_dict()`."""
-        if "inner_shards" in state:  # written by an FSDP island: every rank reads its shards (resharded by DCP)
+        sharded = self.ranks is not None and self.ranks.parallel == "fsdp"
+        if ("inner_shards" in state) != sharded:
+            written = "an FSDP island" if "inner_shards" in state else "a DDP or one-process island"
+            raise CheckpointError(
+                f"the checkpoint in {self.config.checkpoint_dir} was written by {written}; resume it with the same "
+                "--island-parallel, or pass --fresh (the island then takes the swarm's state)"
+            )
+        if sharded:  # every rank reads its shards, resharded by DCP when the rank count changed
             load_sharded(self.model, self.optimizer, Path(self.config.checkpoint_dir) / state["inner_shards"])
         else:
             self.optimizer.load_state_dict(state["inner_optimizer"])
