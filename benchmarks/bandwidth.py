@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         out="where the JSON and PNG go",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
-    parser.add_argument("--seeds", type=int, default=3, help="seeds at the largest H (default 3; 1 with --smoke)")
+    parser.add_argument("--seeds", type=int, help="seeds at the largest H (default 3; 1 with --quick or --smoke)")
     parser.add_argument("--codecs", nargs="+", choices=CODECS, help="only these codecs (default: all)")
     args = parser.parse_args(argv)
     args.islands, args.tiny = 4, False
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8", "topk"]
     codecs = args.codecs or codecs
-    seeds = 1 if args.smoke else args.seeds
+    seeds = args.seeds or (1 if args.smoke or args.quick else 3)
     runs = args.out / "bandwidth-runs"
     rows = [
         run_one(codec, h, steps, args, runs, seed)
