@@ -9,22 +9,25 @@ gathered one parameter at a time) and whose every outer step reaches the ranks t
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.inner import InnerResult
+from p2p_diloco.errors import UserError
 from p2p_diloco.files import fsync_dir
 from p2p_diloco.island.ranks import Command, RankGroup
 from p2p_diloco.island.trainer import LocalTrainer
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
-from p2p_diloco.signals import GracefulStop
+from p2p_diloco.signals import GracefulStop, Stopped
 from p2p_diloco.train.parallel import load_whole, save_sharded, whole_parameters
 
 logger = logging.getLogger(__name__)
@@ -192,12 +195,14 @@ def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> int:
     ranks = RankGroup.from_environment(island.parallel, config.train.device, island.rank_timeout_s)
     torch.set_num_threads(config.train.threads)
     stop.hard_after_s = RANK_STOP_S
+    broken = True  # until the island ends normally or with a one-line user error
     try:
         if not ranks.leader:
             # Stops are rank 0's to decide (at the end of a round); a follower that left early would hang it.
             ignore_group_stop_signals()
             logging.getLogger("p2p_diloco").setLevel(max(logging.WARNING, logging.getLogger().level))
             follow(config, ranks)
+            broken = False
             return 0
         from p2p_diloco.island.island import Island
 
@@ -205,12 +210,33 @@ def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> int:
         logger.info(f"island of {ranks.world} ranks ({ranks.parallel}, {ranks.backend}); rank 0 talks to the swarm")
         Island(config, stop=stop, trainer=trainer).run()
         trainer.close()
+        broken = False
         return stop.exit_code
+    except UserError:
+        broken = False  # the island refused to start (a one-line error follows): leave the group cleanly
+        raise
     except (dist.DistError, RuntimeError) as error:
         if not isinstance(error, dist.DistError) and not any(word in str(error) for word in COLLECTIVE_ERRORS):
-            raise
+            traceback.print_exc()
+            leave_now(f"rank {ranks.rank} failed (the traceback above)", 1)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        print(f"p2p-diloco peer: rank {ranks.rank}: lost the island's other ranks ({first_line})", file=sys.stderr)
-        return 1
+        leave_now(f"rank {ranks.rank}: lost the island's other ranks ({first_line})", 1)
+    except Stopped as stopped:
+        leave_now(f"rank {ranks.rank}: stopped by {stopped}", stopped.exit_code)
+    except Exception:
+        traceback.print_exc()
+        leave_now(f"rank {ranks.rank} failed (the traceback above)", 1)
     finally:
-        ranks.close()
+        if not broken:
+            ranks.close()
+
+
+def leave_now(message: str, code: int) -> NoReturn:
+    """Exit at once, for a rank whose island is broken or was stopped outside a safe point.
+
+    Tearing down a process group with a dead peer, or joining the threads of an averager cut off mid-round, can
+    block; checkpoints are atomic and rank 0's DHT process and p2pd die with it (PDEATHSIG), so nothing is lost.
+    """
+    print(f"p2p-diloco peer: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)

@@ -78,7 +78,13 @@ class RankGroup:
             torch.cuda.set_device(device)
         group = cls(rank, world, local_rank, parallel, device)
         if not dist.is_initialized():
-            dist.init_process_group(group.backend, timeout=timedelta(seconds=timeout_s))
+            timeout = timedelta(seconds=timeout_s)
+            store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+            # Keys of this attempt only: after a restart in place (--max-restarts) the launcher's store still
+            # holds the dead ranks' gloo addresses, and a new rank that read one would dial a closed port.
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            store = dist.PrefixStore(f"p2p_diloco/attempt_{attempt}", store)
+            dist.init_process_group(group.backend, store=store, rank=rank, world_size=world, timeout=timeout)
         return group
 
     # ----- rank 0 speaks, the others listen ------------------------------------------------------------------
