@@ -213,3 +213,22 @@ def test_an_island_of_two_nodes_rendezvous_and_trains_as_one(local_swarm: LocalS
     written = [node.records() for node in nodes if node.records()]
     assert len(written) == 1  # only global rank 0 writes the island's metrics
     assert written[0][-1]["ranks"] == 2 and written[0][-1]["outer_step"] == 3
+
+
+def test_the_launcher_names_the_killed_rank_not_the_rank_that_noticed() -> None:
+    """Rank 0 exits at once when rank 1 dies; in the same second, the launcher must still name rank 1."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from p2p_diloco.cli.launch import first_own_failure
+    from p2p_diloco.island.ranks import LOST_RANKS_EXIT
+
+    noticed = ProcessFailure(local_rank=0, pid=100, exitcode=LOST_RANKS_EXIT, error_file="/nonexistent")
+    killed = ProcessFailure(local_rank=1, pid=101, exitcode=-signal.SIGKILL, error_file="/nonexistent")
+    crashed = ProcessFailure(local_rank=2, pid=102, exitcode=1, error_file="/nonexistent")
+    for failure in (noticed, killed, crashed):
+        failure.timestamp = 1_000
+    assert first_own_failure(ChildFailedError("peer", {0: noticed, 1: killed}))[0] == 1
+    assert first_own_failure(ChildFailedError("peer", {0: noticed, 2: crashed, 1: killed}))[0] == 1
+    crashed.timestamp = 999
+    assert first_own_failure(ChildFailedError("peer", {0: noticed, 2: crashed, 1: killed}))[0] == 2
+    assert first_own_failure(ChildFailedError("peer", {0: noticed}))[0] == 0

@@ -66,6 +66,21 @@ def describe_failure(rank: int, failure: object) -> str:
     return f"rank {rank} (local rank {getattr(failure, 'local_rank', '?')}, pid {pid}) failed: {how}"
 
 
+def first_own_failure(failed: object) -> tuple[int, object]:
+    """The rank that failed first on its own, passing over ranks that only exited because the island broke.
+
+    The agent stamps failures in whole seconds, so a SIGKILLed rank and the rank 0 that noticed it often tie.
+    """
+    from p2p_diloco.island.ranks import LOST_RANKS_EXIT
+
+    failures = getattr(failed, "failures", {})
+    own = {rank: f for rank, f in failures.items() if getattr(f, "exitcode", None) != LOST_RANKS_EXIT}
+    if not own:
+        return failed.get_first_failure()
+    signalled_first = sorted(own.items(), key=lambda item: (item[1].timestamp, item[1].exitcode >= 0, item[0]))
+    return signalled_first[0]
+
+
 def launch_island(config: PeerConfig, argv: list[str]) -> int:
     """Run the island's ranks until they finish; the exit code, with the first failed rank named on stderr."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -82,7 +97,7 @@ def launch_island(config: PeerConfig, argv: list[str]) -> int:
     try:
         run(parse_args(torchrun_arguments(config, argv)))
     except ChildFailedError as failed:
-        rank, failure = failed.get_first_failure()
+        rank, failure = first_own_failure(failed)
         print(
             f"p2p-diloco peer: error: {describe_failure(rank, failure)}; the island's other ranks were stopped"
             + (f" after {island.max_restarts} restarts" if island.max_restarts else ""),

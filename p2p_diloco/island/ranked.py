@@ -24,7 +24,7 @@ from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.inner import InnerResult
 from p2p_diloco.errors import UserError
 from p2p_diloco.files import fsync_dir
-from p2p_diloco.island.ranks import Command, RankGroup
+from p2p_diloco.island.ranks import LOST_RANKS_EXIT, Command, RankGroup
 from p2p_diloco.island.trainer import LocalTrainer
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
 from p2p_diloco.signals import GracefulStop, Stopped
@@ -220,7 +220,7 @@ def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> int:
             traceback.print_exc()
             leave_now(f"rank {ranks.rank} failed (the traceback above)", 1)
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        leave_now(f"rank {ranks.rank}: lost the island's other ranks ({first_line})", 1)
+        leave_now(f"rank {ranks.rank}: lost the island's other ranks ({first_line})", LOST_RANKS_EXIT)
     except Stopped as stopped:
         leave_now(f"rank {ranks.rank}: stopped by {stopped}", stopped.exit_code)
     except Exception:

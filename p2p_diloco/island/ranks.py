@@ -21,6 +21,8 @@ from p2p_diloco.errors import ConfigError
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """What torch's elastic launcher (torchrun, or `peer --nproc-per-node`) sets in every rank's environment."""
+# A rank that exits only because another rank broke the island; the launcher names the other rank instead.
+LOST_RANKS_EXIT = 75
 
 
 class Command(enum.IntEnum):
