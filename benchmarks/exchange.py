@@ -2,9 +2,10 @@
 
 Three systems average the same vector: p2p-diloco's own exchange path (`GossipExchange.average`, an
 all-or-nothing all-reduce on hivemind's DecentralizedAverager), hivemind's `DecentralizedAverager` used
-directly, and `torch.distributed.all_reduce` over gloo. Every peer is a separate process started by this
-script (`--worker` mode); the parent releases each round on all peers at once with a "GO" line on stdin and
-reads one "ROUND <json>" line back from each. Each round is checked against the true mean.
+directly, and `torch.distributed.all_reduce` over gloo; the first two also with the int8 codec on the wire
+(`--codecs`). Every peer is a separate process started by this script (`--worker` mode); the parent releases
+each round on all peers at once with a "GO" line on stdin and reads one "ROUND <json>" line back from each.
+Each round is checked against the true mean (with a codec: within three times its own rounding).
 
     python benchmarks/exchange.py            # 10M and 50M values x 2 and 4 peers, plus a profile run
     python benchmarks/exchange.py --quick    # 10M values x 2 and 4 peers, plus a profile run
@@ -47,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 2; 3 with --quick)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled p2p_diloco run")
+    parser.add_argument("--codecs", nargs="+", default=["fp32", "int8"], help="codecs (default fp32 int8; gloo: fp32)")
+    parser.add_argument("--codec", default="fp32", help=argparse.SUPPRESS)
+    parser.add_argument("--part-size", type=int, help="bytes per all-reduce part (default: hivemind's 512 KiB)")
     parser.add_argument("--logs", help="keep the peers' logs and profiler output in this folder")
     # worker mode
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
@@ -54,8 +58,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peers", nargs="*", default=[], help=argparse.SUPPRESS)
     parser.add_argument("--socket-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--no-check", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
+
+
+def configurations(systems: list[str], codecs: list[str]) -> list[tuple[str, str]]:
+    """(system, codec) pairs in run order; gloo averages fp32 only."""
+    return [
+        (system, codec)
+        for codec in codecs
+        for system in SYSTEMS
+        if system in systems and (codec == "fp32" or system != "gloo")
+    ]
 
 
 def run_all(args: argparse.Namespace, values: list[int], peers: list[int], rounds: int) -> tuple[list, list]:
@@ -69,12 +85,12 @@ def run_all(args: argparse.Namespace, values: list[int], peers: list[int], round
         socket_dir = Path(sockets)  # short: a unix socket path must stay under 108 bytes
         logs = Path(args.logs or tmp)
         logs.mkdir(parents=True, exist_ok=True)
-        timing = dict(warmup=args.warmup, rounds=rounds, logs=logs, socket_dir=socket_dir)
+        timing = dict(warmup=args.warmup, rounds=rounds, logs=logs, socket_dir=socket_dir, part_size=args.part_size)
         for v in values:
             for p in peers:
-                for system in [s for s in SYSTEMS if s in args.systems]:
-                    print(f"== {system}: {v / 1e6:g}M values, {p} peers ...", flush=True)
-                    row = run_config(system, v, p, **timing)
+                for system, codec in configurations(args.systems, args.codecs):
+                    print(f"== {system} {codec}: {v / 1e6:g}M values, {p} peers ...", flush=True)
+                    row = run_config(system, v, p, **timing, codec=codec)
                     rows.append(row)
                     if row.get("seconds"):
                         print(
@@ -117,7 +133,8 @@ def describe(args: argparse.Namespace, rounds: int) -> dict:
             "next_chunk_timeout": NEXT_CHUNK_TIMEOUT,
             "target_group_size": "peers",
             "min_group_size": "peers",
-            "compression": "none (fp32)",
+            "codecs": args.codecs,
+            "part_size_bytes": args.part_size or "hivemind's default (512 KiB)",
             "address": "127.0.0.1",
         },
     }

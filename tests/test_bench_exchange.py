@@ -27,6 +27,8 @@ def test_exchange_benchmark_smoke(tmp_path: Path) -> None:
     assert {"command", "date", "machine", "rows", "profile"} <= set(result)
     rows = result["rows"]
     assert {row["system"] for row in rows} == {"p2p_diloco", "hivemind", "gloo"}
+    pairs = {(row["system"], row["codec"]) for row in rows}
+    assert pairs == {("gloo", "fp32"), *((s, c) for s in ("hivemind", "p2p_diloco") for c in ("fp32", "int8"))}
     for row in rows:
         assert ROW_KEYS <= set(row), row
         assert (row["values"], row["peers"]) == (1_000_000, 2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +119,18 @@ def test_topk_islands_merge_into_the_same_anchor_with_a_fraction_of_the_bytes(lo
     sent = [r["bytes_sent"] / fp32_bytes for r in merged]
     assert max(sent) < 0.1, sent  # 2% of the values at about 11 bits each, and the union on the way back
     assert first[-1]["eval_loss"] < first[0]["eval_loss"]
+
+
+def test_topk_defaults_to_outer_sgd_unless_the_outer_optimizer_is_set(tmp_path: Path) -> None:
+    from p2p_diloco.config import load_config
+
+    plain = load_config(overrides={"network.codec": "fp32"}).train
+    assert (plain.outer_lr, plain.outer_momentum) == (0.7, 0.9)
+    sparse = load_config(overrides={"network.codec": "topk"}).train
+    assert (sparse.outer_lr, sparse.outer_momentum) == (1.0, 0.0)
+    chosen = load_config(overrides={"network.codec": "topk", "train.outer_momentum": 0.5}).train
+    assert (chosen.outer_lr, chosen.outer_momentum) == (1.0, 0.5)
+    config = tmp_path / "peer.toml"
+    config.write_text('[network]\ncodec = "topk"\n[train]\nouter_lr = 0.8\n')
+    from_file = load_config(config).train
+    assert (from_file.outer_lr, from_file.outer_momentum) == (0.8, 0.0)

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,10 @@ SCRIPT = BENCHMARKS / "exchange.py"
 class Worker:
     """One peer process, its protocol lines and its log."""
 
-    def __init__(self, command: list[str], log_path: Path):
+    def __init__(self, command: list[str], log_path: Path, interface: str = "lo"):
         self.log_path = log_path
         self._log = open(log_path, "w")
-        env = dict(os.environ, GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, GLOO_SOCKET_IFNAME=interface, PYTHONUNBUFFERED="1")
         self.process = subprocess.Popen(
             command,
             stdin=subprocess.PIPE,
@@ -170,9 +171,13 @@ def pss_mb(workers: list[Worker]) -> float:
 class TimedRounds:
     """Warm-up, then timed rounds on every peer at once, with CPU accounting (and profilers) around the timed ones."""
 
-    def __init__(self, workers: list[Worker], values: int, profile_dir: Path | None):
+    def __init__(
+        self, workers: list[Worker], values: int, profile_dir: Path | None, wire: Callable[[], int] | None = None
+    ):
         self.workers, self.values, self.profile_dir = workers, values, profile_dir
         self.profilers: Profilers | None = None
+        self.wire = wire
+        """Bytes every peer has sent on its link so far (all hosts together), when peers sit on their own hosts."""
 
     def run(self, warmup: int, rounds: int) -> list[list[dict]]:
         """Every peer's record of every timed round."""
@@ -187,6 +192,7 @@ class TimedRounds:
                     machine_busy(),
                     time.monotonic(),
                 )
+                self.wire_before = self.wire() if self.wire else 0
             for worker in self.workers:
                 worker.send("GO")
             results = [json.loads(worker.expect("ROUND", round_timeout)) for worker in self.workers]
@@ -194,6 +200,7 @@ class TimedRounds:
                 records.append(results)
         self.wall = time.monotonic() - self.wall_before
         self.cpu_after, self.busy_after = cpu_snapshot(self.workers), machine_busy()
+        self.wire_after = self.wire() if self.wire else 0
         if self.profilers is not None:
             self.profilers.stop()
         return records
@@ -212,6 +219,8 @@ class TimedRounds:
             "other_load_cpu_s_per_round": max(0.0, (self.busy_after - self.busy_before) - ours) / rounds,
             "pss_mb_per_peer": pss_mb(self.workers),
         }
+        if self.wire is not None:  # Ethernet frames: payload plus TCP/IP, TLS, yamux and every DHT message
+            usage["wire_bytes_per_peer_per_round"] = (self.wire_after - self.wire_before) / rounds / len(self.workers)
         if self.profilers is not None:
             usage["profile"] = self.profilers.summary()
         return usage
@@ -222,19 +231,32 @@ class TimedRounds:
             self.profilers.stop()
 
 
-def start_workers(system: str, peers: int, command: list[str], log_prefix: str, logs: Path) -> list[Worker]:
-    """Start `peers` workers of one system and wait until each is READY."""
+def start_workers(
+    system: str, peers: int, command: list[str], log_prefix: str, logs: Path, hosts: list[Any] | None = None
+) -> list[Worker]:
+    """Start `peers` workers of one system and wait until each is READY.
+
+    With `hosts` (benchmarks.lib.netns Hosts), worker r runs on host r and listens on that host's address.
+    """
+
+    def start(rank: int, *extra: str) -> Worker:
+        log = logs / f"{log_prefix}-rank{rank}.log"
+        if hosts is None:
+            return Worker([*command, "--rank", str(rank), *extra], log)
+        host = hosts[rank]
+        placed = [*host.prefix, *command, "--rank", str(rank), "--host", host.address, *extra]
+        return Worker(placed, log, interface="eth0")
+
     workers: list[Worker] = []
     try:
         if system == "gloo":
-            port = free_port()
+            port = 29500 if hosts else free_port()  # each host is a fresh namespace: any port is free there
+            master = hosts[0].address if hosts else "127.0.0.1"
             for rank in range(peers):
-                workers.append(
-                    Worker([*command, "--rank", str(rank), "--port", str(port)], logs / f"{log_prefix}-rank{rank}.log")
-                )
+                workers.append(start(rank, "--port", str(port), "--master", master))
         else:  # all import at once; the others start their DHT node once the first one's address is known
             for rank in range(peers):
-                workers.append(Worker([*command, "--rank", str(rank)], logs / f"{log_prefix}-rank{rank}.log"))
+                workers.append(start(rank))
             workers[0].ready = json.loads(workers[0].expect("READY", 180))
             for worker in workers[1:]:
                 worker.send(f"PEERS {workers[0].ready['maddr']}")
@@ -266,21 +288,29 @@ def run_config(
     logs: Path,
     socket_dir: Path,
     profile_dir: Path | None = None,
+    codec: str = "fp32",
+    part_size: int | None = None,
+    hosts: list[Any] | None = None,
+    wire: Callable[[], int] | None = None,
 ) -> dict:
     """Start `peers` workers of one system, run warm-up and timed rounds; return the row."""
     command = [sys.executable, str(SCRIPT), "--worker", system, "--peers", str(peers)]
-    command += ["--values", str(values), "--socket-dir", str(socket_dir)]
+    command += ["--values", str(values), "--socket-dir", str(socket_dir), "--codec", codec]
+    if part_size:
+        command += ["--part-size", str(part_size)]
     if profile_dir is not None:
         command.append("--no-check")
     name = f"{system}-{values}-{peers}"
     workers: list[Worker] = []
-    row: dict[str, Any] = {"values": values, "peers": peers, "system": system}
+    row: dict[str, Any] = {"values": values, "peers": peers, "system": system, "codec": codec}
+    if part_size:
+        row["part_size_bytes"] = part_size
     started = time.monotonic()
     timed = None
     try:
-        workers = start_workers(system, peers, command, name, logs)
+        workers = start_workers(system, peers, command, name, logs, hosts)
         row["startup_s"] = time.monotonic() - started
-        timed = TimedRounds(workers, values, profile_dir)
+        timed = TimedRounds(workers, values, profile_dir, wire)
         records = timed.run(warmup, rounds)
         row.update(summarise_rounds(records, values))
         row.update(timed.usage(records, rounds))

@@ -115,8 +115,13 @@ class Internet:
             _run("ip", "netns", "exec", router, *rule)
         return Host(host, inside, wan)
 
-    def shape(self, host: Host, rate_mbit: float, device: str = "eth0") -> None:
-        """Limit what `host` sends on `device` to `rate_mbit` (tc tbf; the burst stays above the MTU)."""
+    def shape(
+        self, host: Host, rate_mbit: float, device: str = "eth0", burst_kb: int = 64, latency_ms: int = 400
+    ) -> None:
+        """Limit what `host` sends on `device` to `rate_mbit` (tc tbf; the burst stays above the MTU).
+
+        Above ~100 Mbit/s the bucket must also hold one kernel tick of traffic (rate / HZ), or tbf caps below rate.
+        """
         host.run(
             "tc",
             "qdisc",
@@ -128,10 +133,14 @@ class Internet:
             "rate",
             f"{rate_mbit}mbit",
             "burst",
-            "64kb",
+            f"{burst_kb}kb",
             "latency",
-            "400ms",
+            f"{latency_ms}ms",
         )
+
+    def sent_bytes(self, host: Host, device: str = "eth0") -> int:
+        """Bytes `host` has sent on `device` (Ethernet frames, headers included)."""
+        return int(host.run("cat", f"/sys/class/net/{device}/statistics/tx_bytes").stdout)
 
     def close(self) -> None:
         """Delete every namespace this internet made (their links, routes and rules go with them)."""

@@ -84,6 +84,7 @@ class GossipExchange:
         gate: Gate | None = None,
         robust_merge: str = "none",
         membership_token: Any = None,
+        part_size_bytes: int | None = None,
     ):
         quiet_hivemind()  # before the averager process forks: its normal round failures are ours to report
         self.averager = PseudoGradientAverager(
@@ -108,6 +109,7 @@ class GossipExchange:
             shutdown_timeout=shutdown_timeout,
             client_mode=client_mode,
             start=False,
+            **({"part_size_bytes": part_size_bytes} if part_size_bytes else {}),
         )
         # Matchmaking refuses islands whose schema differs, so naming the codec in it keeps codecs apart.
         self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec, PROTOCOL_VERSION)
