@@ -21,6 +21,7 @@ bytes over payload bytes (framing, encryption, DHT and matchmaking chatter on to
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -32,9 +33,14 @@ from p2p_diloco.train.model import build_model, count_parameters
 CODECS = ["fp32", "fp16", "bf16", "int8", "int4", "int2", "topk"]
 
 
+def run_name(codec: str, inner_steps: int, seed: int) -> str:
+    """The swarm's run id, also its folder under bandwidth-runs/."""
+    return f"bandwidth-h{inner_steps}-{codec}" + (f"-seed{seed}" if seed else "")
+
+
 def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path, seed: int = 0) -> dict:
     """One swarm with one codec, H and seed; returns its row."""
-    name = f"bandwidth-h{inner_steps}-{codec}" + (f"-seed{seed}" if seed else "")
+    name = run_name(codec, inner_steps, seed)
     flags = ["--inner-steps", str(inner_steps), "--outer-steps", str(outer_steps), "--codec", codec]
     flags += ["--seed", str(seed)]
     flags += ["--num-shards", str(args.islands), "--quorum", str(args.islands)]
@@ -50,6 +56,49 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
         per_island=lambda index: ["--shard-index", str(index)],
         timeout=args.timeout,
     )
+    return make_row(codec, inner_steps, outer_steps, seed, args, records, exit_codes, wall)
+
+
+def rescan_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path, seed: int) -> dict:
+    """The row of a swarm that already ran, rebuilt from its metrics files (exit codes and wall time from
+    the previous result file, when it has the row)."""
+    from p2p_diloco.train.metrics import read_metrics
+
+    folder = out / run_name(codec, inner_steps, seed)
+    records = {path.stem: read_metrics(path) for path in sorted(folder.glob("island-*.jsonl"))}
+    if not records:
+        raise SystemExit(f"bandwidth.py --rescan: no metrics in {folder}; run the grid first")
+    previous = next(
+        (
+            row
+            for row in args.previous_rows
+            if (row["codec"], row["H"], row.get("seed", 0)) == (codec, inner_steps, seed)
+        ),
+        {},
+    )
+    return make_row(
+        codec, inner_steps, outer_steps, seed, args, records, previous.get("exit_codes", []), previous.get("wall_s")
+    )
+
+
+def steady_state(recs: list[dict]) -> tuple[float, float, int]:
+    """(TCP bytes, payload bytes, rounds) after an island's first round: what the join and start-up cost is left out."""
+    if len(recs) < 2 or recs[0].get("transport_sent") is None or recs[-1].get("transport_sent") is None:
+        return 0.0, 0.0, 0
+    return recs[-1]["transport_sent"] - recs[0]["transport_sent"], sum(r["bytes_sent"] for r in recs[1:]), len(recs) - 1
+
+
+def make_row(
+    codec: str,
+    inner_steps: int,
+    outer_steps: int,
+    seed: int,
+    args: argparse.Namespace,
+    records: dict[str, list[dict]],
+    exit_codes: list,
+    wall: float | None,
+) -> dict:
+    """One swarm's figures from its islands' metrics records."""
     config = load_config(TINY if args.tiny else None)
     parameters = count_parameters(build_model(config.model, seed=0))
     tokens_per_step = 8 * config.model.seq_len
@@ -64,6 +113,15 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
         tokens.append(recs[-1]["tokens"])
         finals.append(recs[-1]["eval_loss"])
         merged_rounds += sum(1 for r in recs if r["merged"])
+    steady = [steady_state(recs) for recs in records.values() if recs]
+    by_round = [
+        [round(after["wait_s"], 3), after["transport_sent"] - before["transport_sent"] - after["bytes_sent"]]
+        for recs in records.values()
+        for before, after in zip(recs, recs[1:])
+        if after.get("transport_sent") is not None and before.get("transport_sent") is not None
+    ]
+    steady_tcp, steady_payload = sum(t for t, _, _ in steady), sum(p for _, p, _ in steady)
+    steady_rounds = sum(n for _, _, n in steady)
     per_token = sum(payload) / max(1, sum(tokens))
     transport_per_token = sum(transport) / max(1, sum(tokens))
     row = {
@@ -81,6 +139,10 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
         "ratio_vs_ring_same_peers": ring_bytes_per_token / per_token if per_token else None,
         "transport_ratio_vs_data_parallel": dp_bytes_per_token / transport_per_token if transport_per_token else None,
         "tcp_over_payload": transport_per_token / per_token if per_token else None,
+        "tcp_over_payload_steady": steady_tcp / steady_payload if steady_payload else None,
+        "chatter_bytes_per_round": (steady_tcp - steady_payload) / steady_rounds if steady_rounds else None,
+        "payload_bytes_per_round": steady_payload / steady_rounds if steady_rounds else None,
+        "chatter_by_round": by_round,
         "final_eval_loss": sum(finals) / len(finals) if finals else None,
         "merged_rounds": merged_rounds,
         "exit_codes": exit_codes,
@@ -127,6 +189,8 @@ FIGURES = (
     "ratio_vs_ring_same_peers",
     "transport_ratio_vs_data_parallel",
     "tcp_over_payload",
+    "tcp_over_payload_steady",
+    "chatter_bytes_per_round",
     "final_eval_loss",
 )
 
@@ -141,12 +205,25 @@ def mean_rows(rows: list[dict], h: int) -> dict[str, dict]:
     for codec, group in by_codec.items():
         mean = {}
         for figure in FIGURES:
-            values = [row[figure] for row in group if row[figure] is not None]
+            values = [row[figure] for row in group if row.get(figure) is not None]
             mean[figure] = sum(values) / len(values) if values else None
         losses = [row["final_eval_loss"] for row in group if row["final_eval_loss"] is not None]
         mean.update(seeds=[row["seed"] for row in group], eval_spread=max(losses) - min(losses) if losses else None)
         means[codec] = mean
     return means
+
+
+def chatter_fit(rows: list[dict]) -> dict | None:
+    """Least squares over every island's rounds after its first: TCP bytes beyond the payload against the seconds
+    the island waited for its group (hivemind's matchmaking re-declares and polls the DHT while it waits)."""
+    points = [point for row in rows for point in row.get("chatter_by_round") or []]
+    if len(points) < 3:
+        return None
+    mean_x = sum(x for x, _ in points) / len(points)
+    mean_y = sum(y for _, y in points) / len(points)
+    spread = sum((x - mean_x) ** 2 for x, _ in points)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / spread if spread else 0.0
+    return {"fixed_bytes_per_round": mean_y - slope * mean_x, "bytes_per_second_waiting": slope, "rounds": len(points)}
 
 
 def summarise(rows: list[dict], grid: dict[int, int]) -> dict:
@@ -159,6 +236,7 @@ def summarise(rows: list[dict], grid: dict[int, int]) -> dict:
         "seeds": sorted({row["seed"] for row in rows if row["H"] == target_h}),
         **{figure: {c: row[figure] for c, row in at_target.items()} for figure in FIGURES},
         "final_eval_spread": {c: row["eval_spread"] for c, row in at_target.items()},
+        "chatter_fit": chatter_fit(rows),
         "loss_vs_fp32": {
             c: (row["final_eval_loss"] / fp32_loss - 1.0) if fp32_loss and row["final_eval_loss"] else None
             for c, row in at_target.items()
@@ -174,7 +252,11 @@ NOTES = (
     "Payload bytes are what the all-reduce sends (each island sends (M-1)/M of its vector to the other "
     "reducers and returns the averaged part it reduced to the others, so about 2(M-1)/M values per "
     "round); the data-parallel baseline is the issue's 2*P*4 bytes per step. TCP bytes also count libp2p "
-    "framing, encryption, DHT announces and matchmaking, which weigh more on small models."
+    "framing, encryption, DHT announces and matchmaking, which weigh more on small models. "
+    "tcp_over_payload counts from each island's start (its join, DHT bootstrap and first matchmaking "
+    "included); tcp_over_payload_steady counts from the end of its first round. chatter_by_round is "
+    "[seconds waited for the group, TCP bytes beyond the payload] per island and round after the first; "
+    "chatter_fit fits those as a fixed cost per round plus a cost per second of waiting."
 )
 
 
@@ -188,7 +270,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
     parser.add_argument("--seeds", type=int, help="seeds at the largest H (default 3; 1 with --quick or --smoke)")
-    parser.add_argument("--codecs", nargs="+", choices=CODECS, help="only these codecs (default: all)")
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        choices=CODECS,
+        help="rerun only these codecs; the others keep their rows from the existing OUT/bandwidth.json",
+    )
+    parser.add_argument(
+        "--rescan",
+        action="store_true",
+        help="run nothing: rebuild the result from the grid's metrics under OUT/bandwidth-runs (after adding a "
+        "figure, or rerunning some codecs with --codecs)",
+    )
     args = parser.parse_args(argv)
     args.islands, args.tiny = 4, False
     grid = {50: 4, 100: 2}  # H -> outer steps: every H sees the same number of tokens
@@ -200,12 +293,17 @@ def main(argv: list[str] | None = None) -> int:
     codecs = args.codecs or codecs
     seeds = args.seeds or (1 if args.smoke or args.quick else 3)
     runs = args.out / "bandwidth-runs"
+    name = "bandwidth-smoke" if args.smoke else "bandwidth"
+    previous = args.out / f"{name}.json"
+    args.previous_rows = json.loads(previous.read_text())["rows"] if previous.exists() else []
     rows = [
-        run_one(codec, h, steps, args, runs, seed)
+        (rescan_one if args.rescan else run_one)(codec, h, steps, args, runs, seed)
         for h, steps in grid.items()
         for seed in range(seeds if h == max(grid) else 1)
         for codec in codecs
     ]
+    if args.codecs and not args.rescan:  # a partial rerun: the other codecs keep their rows
+        rows = [row for row in args.previous_rows if row["codec"] not in codecs] + rows
     result = {
         **summarise(rows, grid),
         "targets": {
@@ -214,16 +312,20 @@ def main(argv: list[str] | None = None) -> int:
             "topk_ratio_at_H100": 10_000,
             "topk_loss_within": 0.01,
             "tcp_over_payload": 1.5,
+            "tcp_over_payload_steady": 1.5,
         },
         "rows": rows,
         "notes": NOTES,
         **provenance("bandwidth.py", argv),
     }
-    name = "bandwidth-smoke" if args.smoke else "bandwidth"
+    if args.rescan and previous.exists():  # the figures come from the earlier runs: keep their command and date
+        earlier = json.loads(previous.read_text())
+        result.update({key: earlier[key] for key in ("command", "date", "machine") if key in earlier})
+        result["rescanned"] = provenance("bandwidth.py", argv)
     path = write_result(args.out, name, result)
     plot(rows, args.out / f"{name}.png")
     print(f"wrote {path} and {name}.png")
-    failed = [row for row in rows if any(code != 0 for code in row["exit_codes"])]
+    failed = [row for row in rows if any(code != 0 for code in row["exit_codes"] or [])]
     return 1 if failed else 0
 
 

@@ -167,6 +167,37 @@ def recovery_times(records: dict[int, list[dict]], faults: Faults) -> tuple[list
     return recovery, killed_before_merging
 
 
+STARTUP_PHASES = ("process_start_s", "join_s", "restore_s")
+
+
+def restart_breakdown(records: dict[int, list[dict]], faults: Faults) -> list[dict]:
+    """Where each restart's time went until its first merged round: the start-up phases its first record names,
+    then the first round itself (inner steps, matchmaking, the merge)."""
+    phases = []
+    for index, restarted_at in faults.restarts:
+        after = [r for r in records[index] if r["time"] > restarted_at]
+        first = next((r for r in after if r.get("process_start_s") is not None), None)
+        merged = next((r for r in after if r["partners"] > 0), None)
+        if first is None or merged is None:
+            continue
+        startup = {phase: first.get(phase) or 0.0 for phase in STARTUP_PHASES}
+        total = merged["time"] - restarted_at
+        phases.append({"island": index, **startup, "first_round_s": total - sum(startup.values()), "total_s": total})
+    return phases
+
+
+def schedule_downtime(schedule: Schedule | None) -> float:
+    """Island-seconds the schedule itself takes away: killed until restarted, frozen until woken."""
+    pending: dict[tuple[str, int], float] = {}
+    down = 0.0
+    for at, action, index in schedule.events if schedule else []:
+        if action in ("kill", "stop"):
+            pending[(action, index)] = at
+        else:
+            down += at - pending.pop(("kill" if action == "restart" else "stop", index), at)
+    return down
+
+
 def unexpected_errors(chaos: ChaosSwarm, folder: Path) -> list[str]:
     """Islands whose last process exited with an error, and every island that gave up with an error."""
     errors = [
@@ -204,6 +235,8 @@ def run(
         "final_eval_loss": sum(final) / len(final) if final else None,
         "restart_to_first_merge_s": recovery,
         "restarts_killed_before_merging": killed_before_merging,
+        "restart_breakdown": restart_breakdown(records, faults),
+        "schedule_downtime_island_s": schedule_downtime(schedule),
         "errors": unexpected_errors(chaos, folder),
         "kills": faults.kills,
         "wall_s": wall,
@@ -257,10 +290,39 @@ def run_all(schedule: Schedule, islands: int, budget: float, *, smoke: bool, out
     return runs
 
 
-def summarise(runs: list[dict]) -> dict:
+def goodput_breakdown(faulty: dict, goodput: float, islands: int, budget: float) -> dict:
+    """Shares of the clean run's tokens: kept (the goodput), taken by the schedule (killed until restarted, frozen),
+    spent restarting (process start, join, state), and the rest (lost rounds, waiting, stale merges)."""
+    capacity = islands * budget
+    scheduled = faulty["schedule_downtime_island_s"] / capacity
+    restarting = sum(sum(r[p] for p in STARTUP_PHASES) for r in faulty["restart_breakdown"]) / capacity
+    return {
+        "goodput": goodput,
+        "schedule_downtime": scheduled,
+        "restart_startup": restarting,
+        "other": max(0.0, 1.0 - goodput - scheduled - restarting),
+        "goodput_of_available": goodput / (1.0 - scheduled) if scheduled < 1 else None,
+    }
+
+
+def mean_restart(breakdown: list[dict]) -> dict:
+    """Mean seconds per phase over a run's restarts."""
+    keys = (*STARTUP_PHASES, "first_round_s", "total_s")
+    return {key: sum(r[key] for r in breakdown) / len(breakdown) for key in keys} if breakdown else {}
+
+
+def summarise(runs: list[dict], islands: int, budget: float) -> dict:
     """Per mode: goodput with faults relative to without, and the faulty run's figures."""
     by = {(r["mode"], r["faults"]): r for r in runs}
+    goodput = {
+        mode: by[(mode, True)]["goodput_tokens_per_s"] / max(1e-9, by[(mode, False)]["goodput_tokens_per_s"])
+        for mode in MODES
+    }
     return {
+        "goodput_breakdown": {
+            mode: goodput_breakdown(by[(mode, True)], goodput[mode], islands, budget) for mode in MODES
+        },
+        "restart_breakdown_mean_s": {mode: mean_restart(by[(mode, True)]["restart_breakdown"]) for mode in MODES},
         "goodput": {
             mode: by[(mode, True)]["goodput_tokens_per_s"] / max(1e-9, by[(mode, False)]["goodput_tokens_per_s"])
             for mode in MODES
@@ -290,13 +352,17 @@ def main(argv: list[str] | None = None) -> int:
         "islands": islands,
         "budget_s": budget,
         "schedule": {"seed": args.seed, **timing, "events": schedule.events},
-        **summarise(runs),
+        **summarise(runs, islands, budget),
         "runs": runs,
     }
     name = "chaos-smoke" if args.smoke else "chaos"
     path = write_result(args.out, name, result)
     plot(result, args.out / f"{name}.png")
     print(f"goodput relative to no faults: {result['goodput']}")
+    for mode, shares in result["goodput_breakdown"].items():
+        print(f"  {mode}: " + ", ".join(f"{key} {value:.3f}" for key, value in shares.items() if value is not None))
+    for mode, phases in result["restart_breakdown_mean_s"].items():
+        print(f"  {mode} restart, mean s: " + ", ".join(f"{key} {value:.1f}" for key, value in phases.items()))
     print(f"wrote {path}")
     return 0
 

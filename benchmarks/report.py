@@ -38,12 +38,42 @@ def quality(data: dict) -> str:
 
 
 def exchange(data: dict) -> str:
-    """Exchange speed vs gloo."""
+    """Exchange speed vs gloo and stock hivemind."""
     rows = [
-        [row["values"], row["peers"], row["system"], row["seconds"], row.get("gb_per_s"), row.get("ratio_to_gloo")]
+        [
+            row["values"],
+            row["peers"],
+            row["system"],
+            row.get("codec", "fp32"),
+            row["seconds"],
+            row.get("gb_per_s"),
+            row.get("ratio_to_gloo"),
+            row.get("speedup_vs_hivemind"),
+        ]
         for row in data["rows"]
     ]
-    return _table(["values", "peers", "system", "seconds/round", "GB/s", "ratio to gloo"], rows)
+    header = ["values", "peers", "system", "codec", "seconds/round", "GB/s", "x gloo fp32", "speedup vs hivemind"]
+    return _table(header, rows)
+
+
+def link(data: dict) -> str:
+    """Seconds per round on shaped links against bytes / bandwidth."""
+    rows = [
+        [
+            row["rate_mbit"],
+            row["islands"],
+            row["system"],
+            row["codec"],
+            row["payload_bytes"] / 1e6,
+            row["seconds_per_round"],
+            row["limit_s"],
+            row["ratio_to_limit"],
+            row.get("wire_over_sent"),
+        ]
+        for row in data["rows"]
+    ]
+    header = ["Mbit/s", "islands", "system", "codec", "payload MB", "s/round", "limit s", "x limit", "wire / sent"]
+    return _table(header, rows)
 
 
 def chaos(data: dict) -> str:
@@ -216,6 +246,7 @@ def ranks(data: dict) -> str:
 SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("quality", "Quality vs data-parallel", quality),
     ("exchange", "Exchange speed", exchange),
+    ("link", "Rounds on shaped links", link),
     ("chaos", "Goodput under failures", chaos),
     ("simulator", "Simulated goodput at scale", simulator),
     ("decoupled", "Decoupled merging with a 3x slower island", decoupled),

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from benchmarks_path import BENCHMARKS
-from chaos import Schedule  # noqa: E402
+from chaos import Schedule, schedule_downtime  # noqa: E402
 
 
 def test_schedule_is_seeded_and_never_hits_a_down_island() -> None:
@@ -24,6 +24,12 @@ def test_schedule_is_seeded_and_never_hits_a_down_island() -> None:
             down.pop(island)
 
 
+def test_downtime_counts_killed_and_frozen_island_seconds() -> None:
+    schedule = Schedule([(10.0, "kill", 0), (12.0, "stop", 1), (14.0, "restart", 0), (15.0, "cont", 1)])
+    assert schedule_downtime(schedule) == 4.0 + 3.0
+    assert schedule_downtime(None) == 0.0
+
+
 def test_chaos_smoke(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(BENCHMARKS / "chaos.py"), "--smoke", "--out", str(tmp_path)],
@@ -37,3 +43,10 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     assert all(value > 0 for value in data["goodput"].values())
     assert data["unexpected_errors"]["decoupled"] == [], data["unexpected_errors"]
     assert any(run["kills"] > 0 for run in data["runs"])
+    shares = data["goodput_breakdown"]["decoupled"]
+    assert shares["goodput"] == data["goodput"]["decoupled"] and 0 < shares["schedule_downtime"] < 1
+    restarts = [r for run in data["runs"] for r in run["restart_breakdown"]]
+    assert restarts, data["runs"]  # every restart that merged names its start-up phases
+    for restart in restarts:
+        assert restart["process_start_s"] > 0 and restart["join_s"] > 0 and restart["restore_s"] >= 0, restart
+        assert restart["total_s"] >= restart["process_start_s"] + restart["join_s"], restart

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 GRACE_MODES = ("adaptive", "fixed")
 
@@ -35,6 +36,17 @@ class GraceWindow:
         self.delays: deque[float] = deque(maxlen=history)
         self.compute_s: float | None = None
         self.backoff = 1.0
+
+    @classmethod
+    def for_network(cls, network: Any) -> GraceWindow:
+        """The window a NetworkConfig describes (grace, grace_s, grace_max_s, grace_gamma; min_matchmaking_time)."""
+        return cls(
+            mode=network.grace,
+            initial_s=network.grace_s,
+            min_s=network.min_matchmaking_time,
+            max_s=network.grace_max_s,
+            gamma=network.grace_gamma,
+        )
 
     def observe(self, partner_delays: list[float], compute_s: float, missed: bool = False) -> None:
         """Record the partners' lateness, our compute time, and whether we missed partners that were alive."""

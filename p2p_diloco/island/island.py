@@ -26,7 +26,7 @@ from p2p_diloco.island.checkpoints import restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
-from p2p_diloco.island.progress import Progress
+from p2p_diloco.island.progress import Progress, startup_times
 from p2p_diloco.island.records import progress_line, round_record
 from p2p_diloco.island.resync import CatchUpStatus, Resync
 from p2p_diloco.island.rounds import Landed, PendingMerge, RoundOutcome, Verdict, done, in_background, nothing_landed
@@ -66,13 +66,7 @@ class Island:
         self.fragments: list[Fragment] = fragment_layout(self.trainer.model, train.fragments, train.fragment_layout)
         feedback = network.error_feedback or network.codec == "topk"  # topk leaves the most behind: always on
         self.error_feedback = {f.number: ErrorFeedback() for f in self.fragments} if feedback else None
-        self.grace = GraceWindow(
-            mode=network.grace,
-            initial_s=network.grace_s,
-            min_s=network.min_matchmaking_time,
-            max_s=network.grace_max_s,
-            gamma=network.grace_gamma,
-        )
+        self.grace = GraceWindow.for_network(network)
         self.staleness_rule = StalenessRule(network.max_staleness, network.staleness_discount)
         self.link = SwarmLink(peer_id="")
         self.resync: Resync | None = None
@@ -83,6 +77,7 @@ class Island:
         self.progress = Progress(config.network.run_id)
         """Recent rounds, announced with the island for `p2p-diloco status` and the dashboard."""
         self.clock = SwarmClock()
+        self.startup: dict[str, float | None] = {"join_s": None}
 
     @property
     def outer_step(self) -> int:
@@ -335,9 +330,12 @@ class Island:
         metrics = MetricsWriter(config.metrics, trackers(config.tensorboard, config.wandb))
         finished = False  # an island that failed has nothing in flight worth lingering for
         try:
+            connecting = time.monotonic()
             self._connect()
             self.trainer.open_stream(self.peer_id)
+            restoring = time.monotonic()
             origin = restore(self.config, self.state, self.trainer, self.link)
+            self.startup = startup_times(connecting, restoring, self.link.join_s)
             start_digest = self.state.digest()
             logger.info(
                 f"island {self.peer_id} joined run {config.network.run_id!r} in {self.link.join_s:.1f}s; "
@@ -390,7 +388,7 @@ class Island:
         record.update(
             start_digest=start_digest,
             start_outer_step=start_step,
-            join_s=self.link.join_s if start_digest is not None else None,
+            **(self.startup if start_digest is not None else dict.fromkeys(self.startup)),
         )
         metrics.write(record)
         self.progress.add(record)

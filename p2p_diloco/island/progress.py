@@ -104,3 +104,20 @@ class Progress:
             f"island is {own} (try --relay only, --announce-maddrs with a forwarded port, or a longer "
             "--averaging-timeout on a slow link)"
         )
+
+
+def startup_times(connecting: float, restoring: float, join_s: float) -> dict[str, float | None]:
+    """Where a (re)start's time went before its first round, for that round's record (monotonic clock inputs).
+
+    process_start_s: from the process's creation to joining (interpreter, imports, model, data); join_s: the DHT,
+    reachability, announcement and averager; restore_s: the checkpoint or the swarm's state (download included).
+    """
+    import psutil
+
+    restored = time.monotonic()
+    age = time.time() - psutil.Process().create_time()
+    return {
+        "process_start_s": max(0.0, age - (restored - connecting)),
+        "join_s": join_s,
+        "restore_s": restored - restoring,
+    }
