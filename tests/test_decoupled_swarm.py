@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -19,14 +18,14 @@ def test_stalled_island_rejoins_and_others_keep_stepping(local_swarm: LocalSwarm
     peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
     stalled = peers[2]
     wait_until(lambda: len(stalled.records()) >= 2, 180, "two outer steps of the island to stall")
-    os.killpg(stalled.process.pid, signal.SIGSTOP)  # freeze the island, its averager, DHT and p2pd
+    stalled.signal_group(signal.SIGSTOP)  # freeze the island, its averager, DHT and p2pd
     try:
         frozen_at = len(stalled.records())
         running_at = len(peers[0].records())
         wait_until(lambda: len(peers[0].records()) >= running_at + 5, 120, "the others to step while one is stalled")
         assert len(stalled.records()) == frozen_at
     finally:
-        os.killpg(stalled.process.pid, signal.SIGCONT)
+        stalled.signal_group(signal.SIGCONT)
     for peer in peers:
         assert peer.wait(240) == 0, peer.log_text()[-3000:]
 
@@ -75,13 +74,13 @@ def test_stalled_streaming_island_realigns_its_fragments(local_swarm: LocalSwarm
     peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
     stalled = peers[2]
     wait_until(lambda: len(stalled.records()) >= 4, 180, "four rounds of the island to stall")
-    os.killpg(stalled.process.pid, signal.SIGSTOP)
+    stalled.signal_group(signal.SIGSTOP)
     try:
         frozen_at, running_at = len(stalled.records()), len(peers[0].records())
         # A lag of 2 or 3 steps: within max_staleness, and of either parity against P = 2 fragments
         wait_until(lambda: len(peers[0].records()) >= running_at + 3, 120, "the others to step while one is stalled")
     finally:
-        os.killpg(stalled.process.pid, signal.SIGCONT)
+        stalled.signal_group(signal.SIGCONT)
     for peer in peers:
         assert peer.wait(240) == 0, peer.log_text()[-3000:]
 

@@ -6,6 +6,7 @@ All on 127.0.0.1 with real processes; the dashboard is loaded in a real headless
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -14,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import LocalSwarm, wait_until
 
@@ -166,6 +168,10 @@ def test_a_stop_signal_stops_an_island_cleanly(local_swarm: LocalSwarm, sig: int
     ]
     wait_until(lambda: all(len(peer.records()) >= 2 for peer in peers), 180, "two rounds")
     victim = peers[0]
+    island_group = os.getpgid(victim.process.pid)
+    daemons = [p for p in psutil.Process(victim.process.pid).children(recursive=True) if p.name() == "p2pd"]
+    # Go ends p2pd on SIGTERM even when it starts ignored: it must not share the group the signal goes to.
+    assert daemons and all(os.getpgid(daemon.pid) != island_group for daemon in daemons), daemons
     victim.signal_group(sig)  # as a terminal's Ctrl-C does: the whole process group
     assert victim.wait(30) == code
     log = victim.log_text()

@@ -134,8 +134,14 @@ class PeerProcess:
             ) from None
 
     def signal_group(self, sig: int) -> None:
-        """Send `sig` to the peer's whole process group (as a terminal's Ctrl-C does)."""
+        """Send `sig` to the peer's whole process group (as a terminal's Ctrl-C does).
+
+        SIGSTOP and SIGCONT freeze or wake the whole island, p2pd included (it runs in a process group of its own),
+        as a stalled machine would.
+        """
         os.killpg(self.process.pid, sig)
+        if sig in (signal.SIGSTOP, signal.SIGCONT):
+            kill_process_tree(self.process.pid, sig)
 
 
 class LocalSwarm:

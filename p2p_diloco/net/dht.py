@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +35,10 @@ def _exec_with_parent_death(original: Callable[..., Any]) -> Callable[..., Any]:
 
         def preexec() -> None:
             die_with_parent()
+            # Out of the island's process group: a group's SIGTERM (kill -- -PGID, a test's stop) would end p2pd at
+            # once, since Go handles SIGTERM even when started with it ignored, cutting the round the island is
+            # finishing before it stops. p2pd still dies with the DHT process, which dies with the island.
+            os.setpgid(0, 0)
             if user_preexec is not None:
                 user_preexec()
 
