@@ -175,7 +175,9 @@ def restart_breakdown(records: dict[int, list[dict]], faults: Faults) -> list[di
     then the first round itself (inner steps, matchmaking, the merge)."""
     phases = []
     for index, restarted_at in faults.restarts:
-        after = [r for r in records[index] if r["time"] > restarted_at]
+        # This incarnation only: one killed again before it merged has no breakdown (recovery_times counts it).
+        next_kill = min((t for i, t in faults.kill_times if i == index and t > restarted_at), default=float("inf"))
+        after = [r for r in records[index] if restarted_at < r["time"] < next_kill]
         first = next((r for r in after if r.get("process_start_s") is not None), None)
         merged = next((r for r in after if r["partners"] > 0), None)
         if first is None or merged is None:

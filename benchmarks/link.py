@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--islands", type=int, nargs="+", help="islands per round (default 2 4)")
     parser.add_argument("--rates", type=float, nargs="+", help="link rates in Mbit/s (default 100 1000)")
     parser.add_argument("--codecs", nargs="+", help="codecs (default fp32 int8 int4; fp32 above 100 Mbit/s)")
-    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 2)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 3)")
     parser.add_argument("--queue-ms", type=int, default=400, help="tbf's queue, in ms of traffic (default 400)")
     parser.add_argument("--no-gloo", action="store_true", help="skip gloo's reference rows")
     parser.add_argument("--logs", type=Path, help="keep the islands' logs in this folder")
@@ -81,6 +81,8 @@ def run_link(system: str, codec: str, islands: int, rate_mbit: float, args: argp
     payload = payload_bytes(codec, args.values)
     limit = limit_seconds(payload, islands, rate_mbit)
     seconds = row.get("seconds")
+    row["round_seconds"] = row.pop("seconds_per_round", None)  # each timed round's slowest island
+    failed = sum(1 for failure in row.get("failures", []) if failure.get("error"))
     sent = row.get("bytes_sent_per_peer_per_round")
     wire = row.get("wire_bytes_per_peer_per_round")
     row.update(
@@ -91,6 +93,7 @@ def run_link(system: str, codec: str, islands: int, rate_mbit: float, args: argp
         seconds_per_round=seconds,
         ratio_to_limit=seconds / limit if seconds else None,
         burst_kb=burst_kb,
+        failed_island_rounds=failed,
         # What the averager sent against what left the host: TCP/IP, TLS and yamux framing, DHT and matchmaking.
         wire_over_sent=wire / sent if wire and sent else None,
         sent_over_optimal=sent / (limit * rate_mbit * 1e6 / 8) if sent else None,
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args.islands = args.islands or ([2] if smoke or args.quick else [2, 4])
     args.rates = args.rates or ([100.0] if smoke or args.quick else [100.0, 1000.0])
     args.codecs = args.codecs or (["fp32"] if smoke else ["fp32", "int8"] if args.quick else None)
-    rounds = args.rounds or (1 if smoke else 2)
+    rounds = args.rounds or (1 if smoke else 3)  # the median of 3 stands one failed round
     started, rows = time.monotonic(), []
     with tempfile.TemporaryDirectory(prefix="link-bench-") as tmp, tempfile.TemporaryDirectory(dir="/tmp") as sock:
         logs = args.logs or Path(tmp)
@@ -184,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             "payload_bytes": "one island's pseudo-gradient in its codec (block scales in, 12-byte frames out)",
             "limit_s": "2 (N - 1) / N x payload_bytes x 8 / rate: the upload of a bandwidth-optimal all-reduce",
             "seconds_per_round": "median over timed rounds of the slowest island's GossipExchange.average() call "
-            "(gloo: all_reduce after a barrier)",
+            "(gloo: all_reduce after a barrier); round_seconds lists the rounds",
+            "failed_island_rounds": "island-rounds that ended without a merge (e.g. 'could not find a group')",
             "ratio_to_limit": "seconds_per_round / limit_s",
             "wire_bytes_per_peer_per_round": "bytes each host sent on its link per timed round (Ethernet frames)",
             "bytes_sent_per_peer_per_round": "bytes each island's averager sent (its parts and replies)",

@@ -50,3 +50,13 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     for restart in restarts:
         assert restart["process_start_s"] > 0 and restart["join_s"] > 0 and restart["restore_s"] >= 0, restart
         assert restart["total_s"] >= restart["process_start_s"] + restart["join_s"], restart
+
+
+def test_a_restart_killed_before_merging_has_no_breakdown() -> None:
+    from chaos import Faults, restart_breakdown
+
+    startup = {"process_start_s": 5.0, "join_s": 2.0, "restore_s": 1.0}
+    records = {3: [{"time": 130.0, "partners": 2, **startup}]}  # the second incarnation's first merged round
+    faults = Faults(kills=2, kill_times=[(3, 30.0), (3, 60.0)], restarts=[(3, 40.0), (3, 110.0)])
+    [only] = restart_breakdown(records, faults)
+    assert only["total_s"] == 20.0 and only["first_round_s"] == 12.0
