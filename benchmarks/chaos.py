@@ -81,6 +81,10 @@ class Faults:
     restarts: list[tuple[int, float]] = field(default_factory=list)
     """(island, wall-clock time) of every restart."""
 
+    def next_kill(self, island: int, after: float) -> float:
+        """When `island` was next killed after `after` (inf if never): where that incarnation ended."""
+        return min((t for i, t in self.kill_times if i == island and t > after), default=float("inf"))
+
 
 class ChaosSwarm:
     """A bootstrap and islands of one mode, each with the time left of the run's budget when (re)started."""
@@ -156,7 +160,7 @@ def recovery_times(records: dict[int, list[dict]], faults: Faults) -> tuple[list
     recovery, killed_before_merging = [], 0
     for index, restarted_at in faults.restarts:
         # Only this incarnation counts: an island killed again before it merged has no recovery time.
-        next_kill = min((t for i, t in faults.kill_times if i == index and t > restarted_at), default=float("inf"))
+        next_kill = faults.next_kill(index, restarted_at)
         merged_after = [r["time"] for r in records[index] if restarted_at < r["time"] < next_kill and r["partners"] > 0]
         if merged_after:
             recovery.append(merged_after[0] - restarted_at)
@@ -176,7 +180,7 @@ def restart_breakdown(records: dict[int, list[dict]], faults: Faults) -> list[di
     phases = []
     for index, restarted_at in faults.restarts:
         # This incarnation only: one killed again before it merged has no breakdown (recovery_times counts it).
-        next_kill = min((t for i, t in faults.kill_times if i == index and t > restarted_at), default=float("inf"))
+        next_kill = faults.next_kill(index, restarted_at)
         after = [r for r in records[index] if restarted_at < r["time"] < next_kill]
         first = next((r for r in after if r.get("process_start_s") is not None), None)
         merged = next((r for r in after if r["partners"] > 0), None)
