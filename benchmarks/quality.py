@@ -12,9 +12,12 @@ Every system starts from the same initial weights (model seed), island / rank i 
 island's batch-order seed, and every eval uses the same held-out tail of the corpus. The systems run one after
 the other so that they do not compete for the CPU.
 
-    python benchmarks/quality.py            # full run (default model, T=72, H=5; about 6 minutes on 2 cores)
-    python benchmarks/quality.py --quick    # default model, T=24, H=5 (2 minutes)
+    python benchmarks/quality.py            # full run (default model, T=72, H=5, 3 seeds; about 15 minutes on 2 cores)
+    python benchmarks/quality.py --quick    # default model, T=24, H=5, 1 seed (2 minutes)
     python benchmarks/quality.py --smoke    # tiny model, T=3, H=5 (used by the tests)
+
+With several seeds (--seeds N: seeds --seed .. --seed+N-1, each changing the initial weights and the batch order)
+the final losses and curves are means over seeds, with every seed's numbers and their spread beside them.
 """
 
 from __future__ import annotations
@@ -32,12 +35,13 @@ from lib.quality_common import ISLANDS, SYSTEMS, initial_eval, load_island_confi
 from lib.quality_dp import dp_worker, run_data_parallel
 from lib.quality_islands import run_p2p, run_solo
 from lib.quality_report import plot, table
+from lib.quality_seeds import combine_seeds
 
-# mode: (outer steps T, inner steps H, eval batches, tiny model)
+# mode: (outer steps T, inner steps H, eval batches, tiny model, seeds)
 MODES = {
-    "full": (72, 5, 8, False),
-    "quick": (24, 5, 8, False),
-    "smoke": (3, 5, 2, True),
+    "full": (72, 5, 8, False, 3),
+    "quick": (24, 5, 8, False, 1),
+    "smoke": (3, 5, 2, True, 1),
 }
 # At this budget (360 inner steps) outer Nesterov momentum hurts: a sweep with the single-process reference
 # (tests/test_swarm.py::reference_diloco, 4 islands, same data) gave final eval loss 2.354 (H=30, lr 0.7,
@@ -57,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--outer-steps", type=int, help="T: outer steps (data-parallel runs T*H steps)")
     parser.add_argument("--inner-steps", type=int, help="H: inner steps per outer step")
     parser.add_argument("--eval-batches", type=int, help="batches of the held-out tail per evaluation")
-    parser.add_argument("--seed", type=int, default=0, help="model-init and batch-order seed")
+    parser.add_argument("--seed", type=int, default=0, help="first model-init and batch-order seed")
+    parser.add_argument("--seeds", type=int, help="how many seeds (default: 3 for the full run, else 1)")
     parser.add_argument("--outer-lr", type=float, default=OUTER_LR, help="outer learning rate of every island")
     parser.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM, help="outer Nesterov momentum")
     parser.add_argument("--config", help="peer TOML config (default: p2p_diloco defaults; --smoke: peers/tiny.toml)")
@@ -72,13 +77,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def settings_from(args: argparse.Namespace) -> dict:
     """The run's settings: the mode's T, H and eval batches unless given, seeds, outer optimizer and config."""
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    outer_steps, inner_steps, eval_batches, tiny = MODES[mode]
+    outer_steps, inner_steps, eval_batches, tiny, seeds = MODES[mode]
+    if args.seeds is not None and args.seeds < 1:
+        raise SystemExit(f"quality.py: error: --seeds must be at least 1, not {args.seeds}")
     return {
         "mode": mode,
         "outer_steps": args.outer_steps or outer_steps,
         "inner_steps": args.inner_steps or inner_steps,
         "eval_batches": args.eval_batches or eval_batches,
         "seed": args.seed,
+        "seeds": list(range(args.seed, args.seed + (args.seeds or seeds))),
         "outer_lr": args.outer_lr,
         "outer_momentum": args.outer_momentum,
         "config": args.config or (str(TINY) if tiny else None),
@@ -160,23 +168,28 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     started = time.monotonic()
-    start_eval = initial_eval(settings)
-    systems = run_systems(settings, args.out / "quality-runs")
-    curves = curves_from(systems, start_eval)
-    final = {name: systems[name]["final_eval_loss"] for name in SYSTEMS}
-    ratio = final["p2p_diloco"] / final["data_parallel"]
+    finals, curves, rows = [], [], []
+    for seed in settings["seeds"]:
+        print(f"== seed {seed} ({settings['seeds'].index(seed) + 1} of {len(settings['seeds'])})", flush=True)
+        seeded = {**settings, "seed": seed}
+        start_eval = initial_eval(seeded)
+        systems = run_systems(seeded, args.out / "quality-runs" / f"seed-{seed}")
+        curves.append(curves_from(systems, start_eval))
+        finals.append({name: systems[name]["final_eval_loss"] for name in SYSTEMS})
+        rows.append({"seed": seed, "initial_eval_loss": start_eval, "systems": systems})
+    combined = combine_seeds(settings["seeds"], finals, curves)
+    final, ratio = combined["final_eval_loss"], combined["p2p_vs_dp_ratio"]
     result = {
-        "final_eval_loss": final,
-        "p2p_vs_dp_ratio": ratio,
+        **combined,
         "targets": {
             "p2p_within_2pct_of_dp": ratio <= 1.02,
             "p2p_below_isolated": final["p2p_diloco"] < final["isolated"],
             "p2p_minus_isolated": final["p2p_diloco"] - final["isolated"],
         },
         **provenance("quality.py", argv),
-        **describe(settings, config, start_eval),
-        "systems": systems,
-        "curves": curves,
+        **describe(settings, config, rows[0]["initial_eval_loss"]),
+        "systems": rows[0]["systems"],
+        "runs_by_seed": rows,
         "wall_s": time.monotonic() - started,
     }
     report(result, settings, args.out, "quality-smoke" if args.smoke else "quality")
@@ -189,13 +202,15 @@ def report(result: dict, settings: dict, out: Path, name: str) -> None:
     path = write_result(out, name, result)
     title = (
         f"Quality vs data-parallel ({settings['mode']}): 4 workers, T={settings['outer_steps']}, "
-        f"H={settings['inner_steps']}, {result['settings']['tokens_per_system']:,} tokens per system"
+        f"H={settings['inner_steps']}, {result['settings']['tokens_per_system']:,} tokens per system, "
+        f"mean of {len(result['seeds'])} seed(s)"
     )
     plot(result, out / f"{name}.png", title)
     print()
     print(table(result))
     print(
-        f"\np2p/dp final eval loss ratio {ratio:.4f} (target <= 1.02: {'met' if ratio <= 1.02 else 'missed'}); "
+        f"\np2p/dp final eval loss ratio {ratio:.4f} over seeds {result['seeds']} "
+        f"(target <= 1.02: {'met' if ratio <= 1.02 else 'missed'}); "
         f"p2p - isolated {final['p2p_diloco'] - final['isolated']:+.4f}"
     )
     print(f"total wall time {result['wall_s']:.0f}s; wrote {path} and {out / (name + '.png')}")

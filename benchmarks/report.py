@@ -29,12 +29,24 @@ def _table(header: list[str], rows: list[list[object]]) -> str:
 
 def quality(data: dict) -> str:
     """Quality vs data-parallel."""
-    losses = data["final_eval_loss"]
-    rows = [[system, losses.get(system)] for system in ("data_parallel", "p2p_diloco", "isolated", "single")]
-    text = _table(["system", "final eval loss"], rows)
+    losses, spread = data["final_eval_loss"], data.get("final_eval_loss_spread", {})
+    systems = ("data_parallel", "p2p_diloco", "isolated", "single")
+    rows = [
+        [system, losses.get(system), spread.get(system, {}).get("std"), *_range(spread.get(system))]
+        for system in systems
+    ]
+    seeds = data.get("seeds", [data.get("settings", {}).get("seed", 0)])
+    text = _table([f"system (mean of {len(seeds)} seed(s))", "final eval loss", "std", "min", "max"], rows)
     if losses.get("data_parallel") and losses.get("p2p_diloco"):
         text += f"\n\np2p-diloco / data-parallel: {losses['p2p_diloco'] / losses['data_parallel']:.4f}"
+        by_seed = data.get("p2p_vs_dp_ratio_by_seed")
+        if by_seed and len(by_seed) > 1:
+            text += " (by seed: " + ", ".join(f"{ratio:.4f}" for ratio in by_seed) + ")"
     return text
+
+
+def _range(spread: dict | None) -> list:
+    return [None, None] if not spread else [spread["min"], spread["max"]]
 
 
 def exchange(data: dict) -> str:

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from p2p_diloco.cli.logs import setup_logging
 from p2p_diloco.diloco.staleness import StalenessRule
 from p2p_diloco.net.dht import shutdown_dht, start_dht
 from p2p_diloco.net.exchange import GossipExchange
@@ -26,6 +27,24 @@ def member_vector(seed: int, size: int) -> torch.Tensor:
     return torch.randn(size, generator=generator)
 
 
+def cut_reply_streams(after: int) -> None:
+    """Fault injection: as a reducer, stop replying to one sender after `after` parts while still reducing every
+    part it sends, as when a reply stream breaks in transit. Patched before the averager's process forks."""
+    from p2p_diloco.net.allreduce import StrictAllReduceRunner
+
+    original = StrictAllReduceRunner._accumulate_parts_streaming
+
+    async def cut(self, stream, sender_index: int):
+        victim = next(index for index, peer in enumerate(self.sender_peer_ids) if peer != self.peer_id)
+        replies = 0
+        async for message in original(self, stream, sender_index):
+            if sender_index != victim or replies < after:
+                yield message
+            replies += 1
+
+    StrictAllReduceRunner._accumulate_parts_streaming = cut
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, required=True)
@@ -37,7 +56,11 @@ def main() -> None:
     parser.add_argument("--chunk-timeout", type=float, default=3.0, help="next_chunk_timeout")
     parser.add_argument("--outer-step", type=int, default=None, help="gather an island's staleness metadata")
     parser.add_argument("--schema-tag", type=int, default=None, help="exchange this fragment only")
+    parser.add_argument("--cut-replies-after", type=int, help="fault: cut one sender's reply stream after N parts")
     args = parser.parse_args()
+    setup_logging("info")
+    if args.cut_replies_after is not None:
+        cut_reply_streams(args.cut_replies_after)
 
     dht = start_dht(
         initial_peers=args.initial_peers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -14,11 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 from exchange_member import member_vector
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.proto.runtime_pb2 import CompressionType
 
 from p2p_diloco.net.reducers import RobustPartReducer, StrictPartReducer
+from p2p_diloco.net.repair import ServedParts, valid_first_part
 from p2p_diloco.process import kill_process_tree
 
 MEMBER = Path(__file__).with_name("exchange_member.py")
+NONE = CompressionType.NONE
 
 
 def test_reducer_averages_parts() -> None:
@@ -84,14 +89,52 @@ def test_reducers_cap_declared_weights_and_a_robust_one_drops_a_nan_sender() -> 
     assert sorted(flagged) == [1, 2]
 
 
+def test_served_parts_serialize_once_and_resend_what_a_member_missed() -> None:
+    calls = []
+
+    async def scenario() -> tuple[list, list]:
+        served = ServedParts(b"group", [], num_parts=3)
+        resent = asyncio.create_task(_collect(served.resend(1, NONE, timeout=5.0)))
+        parts = [torch.full((4,), float(index)) for index in range(3)]
+        first = [await served.serialized(index, part, NONE) for index, part in enumerate(parts)]
+        again = [await served.serialized(index, torch.zeros(4), NONE) for index in range(3)]  # cached: same bits
+        calls.extend(id(a) == id(b) for a, b in zip(first, again))
+        return [deserialize_torch_tensor(tensor) for tensor in await resent], parts
+
+    resent, parts = asyncio.run(scenario())
+    assert calls == [True, True, True], "each part is serialized once for every sender"
+    assert [tensor.tolist() for tensor in resent] == [parts[1].tolist(), parts[2].tolist()]
+
+
+def test_a_resend_of_a_part_the_round_never_produces_times_out() -> None:
+    async def scenario() -> None:
+        served = ServedParts(b"group", [], num_parts=2)
+        await _collect(served.resend(0, NONE, timeout=0.2))
+
+    with pytest.raises(asyncio.TimeoutError):
+        asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("value", [-1.0, 3.0, 0.5, float("nan"), float("inf")])
+def test_a_repair_request_for_a_part_outside_the_round_is_refused(value: float) -> None:
+    assert valid_first_part(value, num_parts=3) is None
+    assert valid_first_part(2.0, num_parts=3) == 2
+
+
+async def _collect(parts) -> list:
+    return [part async for part in parts]
+
+
 class Members:
     """Member processes of one averaging group."""
 
     def __init__(self) -> None:
         self.processes: list[subprocess.Popen] = []
 
-    def start(self, seed: int, size: int, group_size: int, peers: list[str], *extra: str) -> subprocess.Popen:
-        """Start a member and wait for its READY line."""
+    def start(
+        self, seed: int, size: int, group_size: int, peers: list[str], *extra: str, log: Path | None = None
+    ) -> subprocess.Popen:
+        """Start a member (its log into `log`, if given) and wait for its READY line."""
         process = subprocess.Popen(
             [
                 sys.executable,
@@ -108,7 +151,7 @@ class Members:
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL if log is None else log.open("w"),
             text=True,
             start_new_session=True,
         )
@@ -173,6 +216,31 @@ def test_group_gets_the_exact_mean_with_identical_bits(members: Members) -> None
         torch.testing.assert_close(torch.tensor(result["first"]), mean[:4], atol=1e-6, rtol=0)
     assert len({json.dumps(result) for result in merged}) == 1, "members ended with different bits"
     assert all(result["restored"] for result in results if result["merged"] is None)
+
+
+def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays_whole(
+    members: Members, tmp_path: Path
+) -> None:
+    # Member 3, as a reducer, stops replying to one sender after 1 of its 3 or 4 parts but reduces them all: the bytes
+    # were lost in transit. That sender asks again for parts 1.. and every member merges the same, exact mean.
+    size, seeds = 1_200_000, [51, 52, 53]
+    logs = [tmp_path / f"member-{seed}.log" for seed in seeds]
+    first = members.start(seeds[0], size, 3, [], "--chunk-timeout", "10", log=logs[0])
+    members.start(seeds[1], size, 3, [first.maddr], "--chunk-timeout", "10", log=logs[1])
+    members.start(seeds[2], size, 3, [first.maddr], "--chunk-timeout", "10", "--cut-replies-after", "1", log=logs[2])
+    members.go()
+    results = [members.result(process) for process in members.processes]
+    mean = _true_mean(seeds, size)
+    assert all(result["merged"] is not None for result in results), results
+    for result in results:
+        assert result["merged"]["sum"] == pytest.approx(float(mean.double().sum()), abs=1e-2)
+        torch.testing.assert_close(torch.tensor(result["merged"]["first"]), mean[:4], atol=1e-6, rtol=0)
+    assert len({json.dumps(result["merged"]) for result in results}) == 1, "members ended with different bits"
+    texts = [log.read_text() for log in logs]
+    cut = re.compile(r"reply stream ended after 1 of [2-9] parts; asking again")
+    assert sum(bool(cut.search(text)) for text in texts[:2]) == 1, texts
+    assert sum("sent the missing parts again: the round is complete" in text for text in texts[:2]) == 1
+    assert "parts 1.. of its round again" in texts[2]
 
 
 def test_group_applies_the_staleness_rule_against_its_robust_clock(members: Members) -> None:

@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 
 import psutil
+import pytest
 from benchmarks_path import BENCHMARKS
 
 SYSTEMS = {"data_parallel", "p2p_diloco", "isolated", "single"}
@@ -51,6 +52,8 @@ def test_quality_smoke(tmp_path: Path) -> None:
     assert all(math.isfinite(loss) and loss > 0 for loss in data["final_eval_loss"].values())
     assert math.isfinite(data["p2p_vs_dp_ratio"])
     assert {"command", "date", "machine", "settings", "curves"} <= set(data)
+    assert data["seeds"] == [0]
+    assert data["final_eval_loss_by_seed"]["p2p_diloco"] == [data["final_eval_loss"]["p2p_diloco"]]
     assert set(data["curves"]) == SYSTEMS
     steps = data["settings"]["outer_steps"]
     for curve in data["curves"].values():
@@ -63,3 +66,24 @@ def test_quality_smoke(tmp_path: Path) -> None:
     assert data["systems"]["p2p_diloco"]["rounds_with_all_islands"] == 1.0
     assert data["systems"]["data_parallel"]["replica_max_abs_diff"] == 0.0
     assert (tmp_path / "quality-smoke.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_seeds_combine_into_means_with_their_spread() -> None:
+    sys.path.insert(0, str(BENCHMARKS))
+    from lib.quality_seeds import combine_seeds
+
+    finals = [
+        {"data_parallel": 2.0, "p2p_diloco": 2.2, "isolated": 3.0, "single": 3.5},
+        {"data_parallel": 1.0, "p2p_diloco": 1.2, "isolated": 2.0, "single": 2.5},
+    ]
+    curve = lambda losses: {"tokens": [0, 10], "eval_loss": losses, "inner_steps_per_worker": [0, 5]}  # noqa: E731
+    curves = [{name: curve([5.0, final[name]]) for name in final} for final in finals]
+    combined = combine_seeds([7, 8], finals, curves)
+    assert combined["seeds"] == [7, 8]
+    assert combined["final_eval_loss"]["p2p_diloco"] == pytest.approx(1.7)
+    assert combined["p2p_vs_dp_ratio"] == pytest.approx(1.7 / 1.5)  # the ratio of the means, not the mean of the ratios
+    assert combined["p2p_vs_dp_ratio_by_seed"] == pytest.approx([1.1, 1.2])
+    spread = combined["final_eval_loss_spread"]["data_parallel"]
+    assert spread == {"min": 1.0, "max": 2.0, "std": pytest.approx(2**-0.5)}
+    assert combined["curves"]["single"]["eval_loss"] == [5.0, 3.0]
+    assert combined["curves"]["single"]["eval_loss_max_over_seeds"] == [5.0, 3.5]

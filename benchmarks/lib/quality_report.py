@@ -25,7 +25,12 @@ def plot(results: dict, path: Path, title: str) -> None:
     styles = {"data_parallel": "-", "p2p_diloco": "-", "isolated": "--", "single": ":"}
     for name in SYSTEMS:
         curve = results["curves"][name]
-        axis.plot(curve["tokens"], curve["eval_loss"], styles[name], marker="o", markersize=3, label=LABELS[name])
+        lines = axis.plot(
+            curve["tokens"], curve["eval_loss"], styles[name], marker="o", markersize=3, label=LABELS[name]
+        )
+        if len(results.get("seeds", [])) > 1:  # the band: lowest to highest over seeds
+            low, high = curve["eval_loss_min_over_seeds"], curve["eval_loss_max_over_seeds"]
+            axis.fill_between(curve["tokens"], low, high, color=lines[0].get_color(), alpha=0.15, linewidth=0)
     curves = [results["curves"][name]["eval_loss"] for name in SYSTEMS]
     after_first = [losses[1] for losses in curves if len(losses) > 1]
     finals = list(results["final_eval_loss"].values())
@@ -42,14 +47,16 @@ def plot(results: dict, path: Path, title: str) -> None:
 
 
 def table(results: dict) -> str:
-    """The final numbers as a text table."""
+    """The final numbers (means over seeds, and their standard deviation) as a text table."""
     dp = results["final_eval_loss"]["data_parallel"]
-    lines = [f"{'system':<16}{'final eval':>12}{'vs DP':>9}{'tokens':>12}{'steps/worker':>14}{'wall s':>9}"]
+    lines = [f"{'system':<16}{'final eval':>12}{'std':>8}{'vs DP':>9}{'tokens':>12}{'steps/worker':>14}{'wall s':>9}"]
     for name in SYSTEMS:
         row = results["systems"][name]
         loss = results["final_eval_loss"][name]
+        std = results.get("final_eval_loss_spread", {}).get(name, {}).get("std", 0.0)
         lines.append(
-            f"{name:<16}{loss:>12.4f}{loss / dp - 1:>+9.2%}{row['total_tokens']:>12,}{row['steps']:>14}"
+            f"{name:<16}{loss:>12.4f}{std:>8.4f}{loss / dp - 1:>+9.2%}{row['total_tokens']:>12,}{row['steps']:>14}"
             f"{row['wall_s']:>9.0f}"
         )
+    lines.append(f"(mean over seeds {results.get('seeds', [0])}; tokens, steps and wall time of the first seed)")
     return "\n".join(lines)

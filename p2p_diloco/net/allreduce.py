@@ -20,13 +20,14 @@ from collections.abc import AsyncIterator, Callable
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException
-from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
 from p2p_diloco.net.reducers import make_reducer
+from p2p_diloco.net.repair import ServedParts
 
 logger = get_logger(__name__)
 
@@ -102,6 +103,7 @@ class StrictAllReduceRunner(AllReduceRunner):
             robust_merge, tuple(part.shape for part in self.parts_for_local_averaging), caps, dropped
         )
         self._compression_type = self.tensor_part_container.compression.compression_type
+        self.served = ServedParts(self.group_id, self.sender_peer_ids, self.tensor_part_reducer.num_parts)
 
     async def wait_for_replies(self, timeout: float) -> None:
         """Wait (at most `timeout` s) until every sender's stream to this reducer has closed, so that the bytes
@@ -116,11 +118,11 @@ class StrictAllReduceRunner(AllReduceRunner):
         """Elements whose reducer never answered."""
         return self.tensor_part_container.failed_size
 
-    def _local_round_trip(self, averaged_part: torch.Tensor) -> torch.Tensor:
+    async def _local_round_trip(self, part_index: int, averaged_part: torch.Tensor) -> torch.Tensor:
         # Remote members decode the compressed average; the reducer must use the same bits for its own part.
         if self._compression_type == runtime_pb2.CompressionType.NONE:
             return averaged_part.clone()
-        return deserialize_torch_tensor(serialize_torch_tensor(averaged_part, self._compression_type))
+        return deserialize_torch_tensor(await self.served.serialized(part_index, averaged_part, self._compression_type))
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         """Send our parts to one reducer and register the averaged parts it returns."""
@@ -132,7 +134,7 @@ class StrictAllReduceRunner(AllReduceRunner):
                     sender_index, part_index, tensor_part, weight=self.weight
                 )
                 self.tensor_part_container.register_processed_part(
-                    peer_index, part_index, self._local_round_trip(averaged_part)
+                    peer_index, part_index, await self._local_round_trip(part_index, averaged_part)
                 )
             return
         try:
@@ -148,7 +150,34 @@ class StrictAllReduceRunner(AllReduceRunner):
                 self.byte_counters.add(received=message.tensor_part.ByteSize())
                 return deserialize_torch_tensor(message.tensor_part)
 
-            part_index = 0
+            received = await self._register_replies(peer_id, peer_index, stream, deserialize, first=0)
+            expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+            if received < expected:
+                received = await self._ask_again(peer_id, peer_index, deserialize, received, expected)
+            if received != expected:
+                raise AllreduceException(f"peer {peer_id} sent {received} parts, expected {expected}")
+        except BaseException as error:
+            logger.warning(f"reducer {peer_id} failed, the round will be discarded: {error!r}")
+            self.tensor_part_container.register_failed_reducer(peer_index)
+            raise
+
+    async def _ask_again(self, peer_id: PeerID, peer_index: int, deserialize, received: int, expected: int) -> int:
+        """Fetch the averaged parts a broken reply stream lost from the same reducer over a new stream."""
+        logger.info(f"reducer {peer_id}'s reply stream ended after {received} of {expected} parts; asking again")
+        # AveragingData has no free field: `weight` carries the index of the first missing part.
+        request = averaging_pb2.AveragingData(
+            group_id=self.group_id, weight=received, tensor_part=runtime_pb2.Tensor(compression=self._compression_type)
+        )
+        stream = await self._get_peer_stub(peer_id).rpc_repair_parts(request)
+        received = await self._register_replies(peer_id, peer_index, stream, deserialize, first=received)
+        if received == expected:
+            logger.info(f"reducer {peer_id} sent the missing parts again: the round is complete")
+        return received
+
+    async def _register_replies(self, peer_id: PeerID, peer_index: int, stream, deserialize, first: int) -> int:
+        """Register a reducer's averaged parts from `first` on; the index after the last one that arrived."""
+        part_index = first
+        try:
             async for averaged_part in amap_in_executor(
                 deserialize,
                 aiter_with_timeout(stream, self.reducer_timeout),
@@ -156,15 +185,9 @@ class StrictAllReduceRunner(AllReduceRunner):
             ):
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                 part_index += 1
-            if part_index != self.tensor_part_container.num_parts_by_peer[peer_index]:
-                raise AllreduceException(
-                    f"peer {peer_id} sent {part_index} parts, expected "
-                    f"{self.tensor_part_container.num_parts_by_peer[peer_index]}"
-                )
-        except BaseException as error:
-            logger.warning(f"reducer {peer_id} failed, the round will be discarded: {error!r}")
-            self.tensor_part_container.register_failed_reducer(peer_index)
-            raise
+        except (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError) as error:  # a broken stream
+            logger.info(f"reply stream from {peer_id} broke after {part_index} parts: {error!r}")
+        return part_index
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Our parts for one reducer, counted as sent."""
@@ -179,7 +202,6 @@ class StrictAllReduceRunner(AllReduceRunner):
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """As a reducer: add a sender's parts into the average and send back the averaged parts."""
         part_index = 0
-        loop = asyncio.get_event_loop()
         try:
             async for tensor_part, weight, part_compression in amap_in_executor(
                 lambda msg: (
@@ -197,7 +219,7 @@ class StrictAllReduceRunner(AllReduceRunner):
                     part_index += 1
                 except BannedException:
                     break
-                serialized = await loop.run_in_executor(None, serialize_torch_tensor, averaged_part, part_compression)
+                serialized = await self.served.serialized(part_index - 1, averaged_part, part_compression)
                 self.byte_counters.add(sent=serialized.ByteSize())
                 if self.link is not None:
                     await self.link.send(serialized.ByteSize())

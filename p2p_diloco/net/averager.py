@@ -36,6 +36,7 @@ from p2p_diloco.diloco.staleness import (
 )
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.repair import valid_first_part
 from p2p_diloco.net.state_transfer import verified_download
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
 from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
@@ -120,6 +121,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             on_dropped=self._dropped,
             **kwargs,
         )
+        self._served = runner.served  # the latest round only: a member asks for lost parts right after a round
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         try:
@@ -209,6 +211,23 @@ class PseudoGradientAverager(DecentralizedAverager):
             return
         async for response in super().rpc_aggregate_part(stream, context):
             yield response
+
+    async def rpc_repair_parts(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Send a member of this island's latest round the averaged parts its reply stream lost."""
+        served = getattr(self, "_served", None)
+        if served is None or request.group_id != served.group_id or context.remote_id not in served.senders:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        first = valid_first_part(request.weight, served.num_parts)  # `weight` carries the first missing part
+        if first is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        logger.info(f"sending {context.remote_id} parts {first}.. of its round again (its reply stream broke)")
+        async for part in served.resend(first, request.tensor_part.compression, self.next_chunk_timeout):
+            self.byte_counters.add(sent=part.ByteSize())
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=part)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
