@@ -25,6 +25,8 @@ def peer_config_args(settings: dict) -> list[str]:
         str(settings["eval_batches"]),
         "--seed",
         str(settings["seed"]),
+        "--lr",
+        str(settings["island_lr"]),
         "--outer-lr",
         str(settings["outer_lr"]),
         "--outer-momentum",
@@ -49,6 +51,7 @@ def load_island_config(settings: dict, shard_index: int):
         "train.inner_steps": settings["inner_steps"],
         "data.eval_batches": settings["eval_batches"],
         "train.seed": settings["seed"],
+        "train.lr": settings["island_lr"],
         "train.outer_lr": settings["outer_lr"],
         "train.outer_momentum": settings["outer_momentum"],
     }

@@ -112,6 +112,7 @@ def dp_worker(rank: int, world: int, rendezvous: str, settings: dict, metrics_pa
 
     torch.set_num_threads(1)
     config = load_island_config(settings, rank)
+    config.train.lr = settings["dp_lr"]  # each system trains at the inner lr tuned for it
     dist.init_process_group(
         "gloo",
         init_method=rendezvous,
