@@ -189,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             "seconds_per_round": "median over timed rounds of the slowest island's GossipExchange.average() call "
             "(gloo: all_reduce after a barrier); round_seconds lists the rounds",
             "failed_island_rounds": "island-rounds that ended without a merge (e.g. 'could not find a group')",
+            "streams_repaired": "reply streams that broke in the timed rounds and whose missing parts the member "
+            "fetched from the reducer again (the round then completed for every member)",
             "ratio_to_limit": "seconds_per_round / limit_s",
             "wire_bytes_per_peer_per_round": "bytes each host sent on its link per timed round (Ethernet frames)",
             "bytes_sent_per_peer_per_round": "bytes each island's averager sent (its parts and replies)",

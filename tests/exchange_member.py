@@ -112,7 +112,8 @@ def main() -> None:
         if gathered:
             result = {"sum": float(buffer.double().sum()), "first": buffer[:4].tolist(), "group": len(gathered)}
         restored = bool(torch.equal(buffer, vector)) if not args.nan else None
-        print("RESULT " + json.dumps({"merged": result, "restored": restored}), flush=True)
+        repairs = exchange.averager.byte_counters.repairs()
+        print("RESULT " + json.dumps({"merged": result, "restored": restored, "repairs": repairs}), flush=True)
     finally:
         exchange.shutdown()
         shutdown_dht(dht)

@@ -241,6 +241,7 @@ def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays
     assert sum(bool(cut.search(text)) for text in texts[:2]) == 1, texts
     assert sum("sent the missing parts again: the round is complete" in text for text in texts[:2]) == 1
     assert "parts 1.. of its round again" in texts[2]
+    assert [result["repairs"] for result in results[:2]].count(1) == 1 and results[2]["repairs"] == 0
 
 
 def test_group_applies_the_staleness_rule_against_its_robust_clock(members: Members) -> None:

@@ -54,6 +54,7 @@ def test_link_benchmark_smoke(tmp_path: Path) -> None:
     ours = rows["p2p_diloco"]
     assert ours["bytes_sent_per_peer_per_round"] == pytest.approx(4_000_000, rel=0.01)
     assert ours["wire_bytes_per_peer_per_round"] > ours["bytes_sent_per_peer_per_round"]
+    assert isinstance(ours["streams_repaired"], int) and ours["streams_repaired"] >= 0
     assert (tmp_path / "link-smoke.png").stat().st_size > 0
     ours_prefix = f"pd{bench.pid % 10000}"  # lib.netns names every namespace after the creating process
     leftover = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

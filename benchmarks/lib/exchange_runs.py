@@ -356,6 +356,8 @@ def summarise_rounds(records: list[list[dict]], values: int) -> dict:
     if any("bytes_sent" in r for results in records for r in results):
         summary["bytes_sent_per_peer_per_round"] = phase("bytes_sent")
         summary["bytes_recv_per_peer_per_round"] = phase("bytes_recv")
+    if any("streams_repaired" in r for results in records for r in results):
+        summary["streams_repaired"] = sum(r.get("streams_repaired", 0) for results in records for r in results)
     if errors:
         summary["errors"] = errors
     failures = [

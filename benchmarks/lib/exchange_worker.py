@@ -103,6 +103,7 @@ def _p2p_round(exchange: Any, vector: Any) -> tuple[dict, Any]:
         "group": 1 + len(result.partners) if result.merged is not None else 0,
         "bytes_sent": result.bytes_sent,
         "bytes_recv": result.bytes_recv,
+        "streams_repaired": result.streams_repaired,
         "error": result.error,
     }, result.merged
 

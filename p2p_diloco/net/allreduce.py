@@ -33,11 +33,22 @@ logger = get_logger(__name__)
 
 
 class ByteCounters:
-    """Payload bytes sent and received by an averager process, readable from the host process."""
+    """Payload bytes sent and received by an averager process (and reply streams it mended), readable from the
+    host process."""
 
     def __init__(self) -> None:
         self._sent = mp.Value(ctypes.c_double, 0.0)
         self._received = mp.Value(ctypes.c_double, 0.0)
+        self._repaired = mp.Value(ctypes.c_long, 0)
+
+    def count_repair(self) -> None:
+        """Count one broken reply stream whose missing parts arrived over a new one."""
+        with self._repaired.get_lock():
+            self._repaired.value += 1
+
+    def repairs(self) -> int:
+        """Broken reply streams mended so far."""
+        return self._repaired.value
 
     def add(self, sent: float = 0.0, received: float = 0.0) -> None:
         """Count bytes that went out or came in."""
@@ -171,6 +182,7 @@ class StrictAllReduceRunner(AllReduceRunner):
         stream = await self._get_peer_stub(peer_id).rpc_repair_parts(request)
         received = await self._register_replies(peer_id, peer_index, stream, deserialize, first=received)
         if received == expected:
+            self.byte_counters.count_repair()
             logger.info(f"reducer {peer_id} sent the missing parts again: the round is complete")
         return received
 

@@ -44,6 +44,8 @@ class ExchangeResult:
     """The grace window this island allowed."""
     bytes_sent: float = 0.0
     bytes_recv: float = 0.0
+    streams_repaired: int = 0
+    """Reducers' reply streams that broke in this round and whose missing parts came over a new stream."""
     error: str | None = None
     """Why the round gave no merge (no partner, a failed all-reduce...)."""
 
@@ -140,6 +142,7 @@ class GossipExchange:
         another island leads; `timeout` bounds the whole search when a quorum above one is required.
         """
         sent0, recv0 = self.averager.byte_counters.read()
+        repairs0 = self.averager.byte_counters.repairs()
         start = time.monotonic()
         if schema_tag != self._schema_tag:
             self.averager.set_schema_tag(schema_tag)
@@ -180,6 +183,7 @@ class GossipExchange:
         sent1, recv1 = self.averager.byte_counters.read()
         result.wait_s = time.monotonic() - start
         result.bytes_sent, result.bytes_recv = sent1 - sent0, recv1 - recv0
+        result.streams_repaired = self.averager.byte_counters.repairs() - repairs0
         return result
 
     def load_state(
