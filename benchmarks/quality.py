@@ -179,8 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.monotonic()
     finals, curves, rows = [], [], []
-    for seed in settings["seeds"]:
-        print(f"== seed {seed} ({settings['seeds'].index(seed) + 1} of {len(settings['seeds'])})", flush=True)
+    for number, seed in enumerate(settings["seeds"], start=1):
+        print(f"== seed {seed} ({number} of {len(settings['seeds'])})", flush=True)
         seeded = {**settings, "seed": seed}
         start_eval = initial_eval(seeded)
         systems = run_systems(seeded, args.out / "quality-runs" / f"seed-{seed}")

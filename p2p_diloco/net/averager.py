@@ -36,7 +36,7 @@ from p2p_diloco.diloco.staleness import (
 )
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.gate import Gate
-from p2p_diloco.net.repair import valid_first_part
+from p2p_diloco.net.repair import ServedParts, valid_first_part
 from p2p_diloco.net.state_transfer import verified_download
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
 from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
@@ -68,6 +68,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.gate = gate or Gate(None, ban_rounds=0)
         self.robust_merge = robust_merge
         self._token = token
+        self._served: ServedParts | None = None  # the latest round's averaged parts, for a member that lost some
         super().__init__([torch.zeros(size, dtype=torch.float32)], dht=dht, prefix=prefix, **kwargs)
 
     # hivemind caches the rpc handlers it collects per class hierarchy: without these, a process that used a plain
@@ -216,7 +217,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Send a member of this island's latest round the averaged parts its reply stream lost."""
-        served = getattr(self, "_served", None)
+        served = self._served
         if served is None or request.group_id != served.group_id or context.remote_id not in served.senders:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
