@@ -7,7 +7,6 @@ TORCH ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
 .PHONY: setup demo test lint clean bench bench-quick readme-map
-BENCHMARKS := $(filter-out benchmarks/report.py,$(sort $(wildcard benchmarks/*.py)))
 
 setup: $(STAMP)
 
@@ -23,13 +22,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/pytest -q --durations=15 tests
 
-# Every benchmark prints its figures and writes benchmarks/results/NAME.json and NAME.png.
+# Every benchmark prints its figures and writes benchmarks/results/NAME.json and NAME.png; the runner times
+# each one into bench_times.json.
 bench: $(STAMP)
-	for script in $(BENCHMARKS); do $(BIN)/python $$script || exit 1; done
+	$(BIN)/python scripts/run_benchmarks.py
 	$(BIN)/python benchmarks/report.py
 
 bench-quick: $(STAMP)
-	for script in $(BENCHMARKS); do $(BIN)/python $$script --quick --out runs/bench-quick || exit 1; done
+	$(BIN)/python scripts/run_benchmarks.py --quick --out runs/bench-quick
 
 readme-map:
 	$(PYTHON) scripts/readme_map.py

@@ -271,6 +271,24 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
 ]
 
 
+def _times() -> list[str]:
+    """How long the last `make bench` took, script by script (scripts/run_benchmarks.py's bench_times.json)."""
+    path = RESULTS / "bench_times.json"
+    if not path.exists():
+        return []
+    data = json.loads(path.read_text())
+    rows = [[entry["script"], round(entry["seconds"]), entry["rc"]] for entry in data["scripts"]]
+    rows.append(["total", round(data["total_s"]), None])
+    return [
+        "",
+        "## How long `make bench` took",
+        "",
+        f"{data.get('date', '?')}, {data.get('mode', 'full')} mode, one script at a time:",
+        "",
+        _table(["script", "seconds", "exit code"], rows),
+    ]
+
+
 def main() -> int:
     """Regenerate BENCHMARKS.md."""
     parts = [
@@ -295,6 +313,7 @@ def main() -> int:
         ]
         if (RESULTS / f"{name}.png").exists():
             parts += ["", f"![{title}](benchmarks/results/{name}.png)"]
+    parts += _times()
     (REPO / "BENCHMARKS.md").write_text("\n".join(parts) + "\n")
     print(f"wrote {REPO / 'BENCHMARKS.md'}")
     return 0

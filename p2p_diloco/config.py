@@ -204,11 +204,9 @@ class NetworkConfig:
     merge: str = "tokens"
     """Merge rule: 'tokens' (w = c_tokens * c_tokens / c_steps), 'mean', or 'rda' (radial-directional)."""
     codec: str = "fp32"
-    """Pseudo-gradient codec on the wire: fp32, fp16, bf16, int8 (blockwise), int4 (NF4), int2 (2-bit) or topk
-    (sparse: see topk_density, topk_bits); all islands must agree."""
+    """Codec on the wire, the same on every island: fp32, fp16, bf16, int8, int4 (NF4), int2 or topk (sparse)."""
     error_feedback: bool = False
-    """Carry each round's quantization residual into the next round's pseudo-gradient (per fragment); always on
-    with codec topk."""
+    """Carry each round's quantization residual into the next round's pseudo-gradient; always on with topk."""
     topk_density: float = 0.02
     """Codec topk: the fraction of each chunk of 4096 pseudo-gradient values that is sent (the largest)."""
     topk_bits: int = 2
@@ -221,6 +219,8 @@ class NetworkConfig:
     """Shortest grace window: seconds a group leader waits for more islands before averaging starts."""
     request_timeout: float = 0.8
     """Seconds to wait for a matchmaking reply; must be below min_matchmaking_time."""
+    leader_poll_s: float = 0.25
+    """Longest gap (s) between look-ups of group leaders while waiting for a group (0: back to back, as hivemind)."""
     averaging_timeout: float = 30.0
     """Bound on waiting for a quorum; past it the island applies its own pseudo-gradient."""
     allreduce_timeout: float = 60.0
@@ -235,6 +235,8 @@ class NetworkConfig:
     """Bound on one DHT read or write of the run's records; past it the island goes on with its last view."""
     announce_ttl: float = 60.0
     """Seconds an island's record lives in the DHT unless renewed: a dead island stops counting after this."""
+    announce_every: int = 4
+    """Rounds between announces of this island (each reads the others' records); at least one per announce_ttl / 3."""
     declare_state_period: float = 10.0
     """How often an island re-announces itself as a state donor for late joiners."""
     shutdown_timeout: float = 3.0
@@ -258,8 +260,7 @@ class IslandConfig:
     max_restarts: int = 0
     """Restart a failed island in place this many times (every rank; it resumes from its checkpoint)."""
     parallel: str = "ddp"
-    """How the ranks share the work: 'ddp' (every rank holds the model) or 'fsdp' (FSDP2 fully_shard: parameters,
-    gradients and inner optimizer state sharded across the ranks)."""
+    """How ranks share the work: 'ddp' (each holds the model) or 'fsdp' (FSDP2: parameters, grads, state sharded)."""
     rank_timeout_s: float = 3600.0
     """How long a rank waits in one collective for the others (rank 0 may talk to the swarm meanwhile)."""
 
@@ -286,8 +287,7 @@ class PeerConfig:
     tensorboard: str | None = None
     """Also write every numeric metric as a TensorBoard scalar under this folder."""
     wandb: str | None = None
-    """Also log every numeric metric to this Weights & Biases project (pip install p2p-diloco[wandb];
-    WANDB_MODE=offline works without a network)."""
+    """Also log every numeric metric to this Weights & Biases project (needs p2p-diloco[wandb]; offline works)."""
 
 
 SECTIONS = ("model", "data", "train", "network", "island")

@@ -119,8 +119,11 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError("train.inner_steps, train.outer_steps and train.batch_size must be >= 1")
     if not 0 <= train.outer_momentum < 1:
         raise ConfigError(f"train.outer_momentum={train.outer_momentum} must be in [0, 1)")
-    if network.request_timeout >= network.min_matchmaking_time:
-        raise ConfigError("network.request_timeout must be smaller than network.min_matchmaking_time")
+    for name in ("request_timeout", "leader_poll_s"):
+        if getattr(network, name) >= network.min_matchmaking_time:
+            raise ConfigError(f"network.{name} must be smaller than network.min_matchmaking_time")
+    if network.announce_every < 1:
+        raise ConfigError("network.announce_every must be at least 1 (announce every round)")
     if network.quorum < 1 or network.target_group_size < network.quorum or network.wait_for_islands < 1:
         raise ConfigError("network.target_group_size must be >= network.quorum >= 1, network.wait_for_islands >= 1")
     for name, value, choices in (

@@ -207,3 +207,15 @@ def test_an_overlapped_streaming_island_lands_each_fragment_in_the_next_round(tm
     assert all(r["merged"] for r in records[1:]) and node.outer_step == 3
     sizes = {f.number: f.size for f in node.fragments}
     assert [sent.numel() for sent, _, _ in exchange.sent] == [sizes[0], sizes[1], sizes[0]]
+
+
+@pytest.mark.parametrize(("every", "announces"), [(1, 1 + 6 + 1), (3, 1 + 2 + 1), (10, 1 + 0 + 1)])
+def test_an_island_announces_when_it_joins_every_k_rounds_and_when_it_leaves(
+    tmp_path: Path, every: int, announces: int
+) -> None:
+    exchange = FakeExchange([merged_with(lambda payload: payload * 0.5) for _ in range(6)])
+    records = FakeRecords({"peer-b": {"outer_step": 0}})
+    node = island(tmp_path, exchange, records, **{"train.outer_steps": 6, "network.announce_every": every})
+    assert len(run(node)) == 6
+    assert len(records.announced) == announces
+    assert [entry["outer_step"] for entry in records.announced][-1] == 6  # the final state, for status

@@ -22,6 +22,7 @@ from p2p_diloco.diloco.grace import GraceWindow
 from p2p_diloco.diloco.merge import is_finite
 from p2p_diloco.diloco.outer import pseudo_gradient
 from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
+from p2p_diloco.island.announce import AnnounceSchedule, fold_partner_steps
 from p2p_diloco.island.checkpoints import restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import SwarmLink, connect, solo_link
@@ -71,7 +72,8 @@ class Island:
         self.link = SwarmLink(peer_id="")
         self.resync: Resync | None = None
         self.swarm_view: dict[str, dict[str, Any]] = {}
-        """What the other islands of the run announced, as of the last announce."""
+        """What the other islands of the run announced as of the last announce, with partners' steps since."""
+        self.announces = AnnounceSchedule(network.announce_every, network.announce_ttl / 3)
         self.pending: PendingMerge | None = None
         self.deadline: float | None = None
         self.progress = Progress(config.network.run_id)
@@ -116,8 +118,10 @@ class Island:
         identity = {"fingerprint": self.fingerprint, "codec": self.config.network.codec}
         return self.progress.announcement(identity, self.outer_step, self.trainer, self.link.reachability)
 
-    def _announce(self) -> dict[str, dict[str, Any]]:
-        """Tell the run where we are; returns (and keeps) what the other islands announced."""
+    def _announce(self, *, scheduled: bool = False) -> dict[str, dict[str, Any]]:
+        """Tell the run where we are (a `scheduled` one only when due); returns and keeps the others' records."""
+        if not self.announces.start(scheduled):
+            return self.swarm_view
         try:
             self.swarm_view = self.link.records.announce(self._announcement(), check=False)
             self.link.refresh(self.swarm_view)
@@ -127,9 +131,8 @@ class Island:
 
     # ----- one round ----------------------------------------------------------------------------------------
     def _round(self) -> dict[str, Any] | None:
-        """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record.
-
-        Returns None when a stop was requested during the inner steps: the round is discarded.
+        """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record
+        (None when a stop was requested during the inner steps: the round is discarded).
 
         With fragments, the round syncs fragment `swarm clock mod P` after H/P inner steps. With overlap τ > 0
         the exchange runs in the background: it lands τ inner steps into the next round, and this round's
@@ -140,21 +143,19 @@ class Island:
         planned = self.trainer.planned_steps([info.get("step_time_s") for info in self.swarm_view.values()])
         steps = max(1, planned // train.fragments)
 
-        # Inner steps; an exchange in flight lands τ steps in.
-        early = min(train.overlap_steps, steps) if self.pending is not None else 0
+        early = min(train.overlap_steps, steps) if self.pending is not None else 0  # the exchange in flight lands
         first = self.trainer.train(early, should_stop=lambda: self.stopping)
         landed = self._land() if self.pending is not None and not self.stopping else None
         rest = self.trainer.train(steps - early, should_stop=lambda: self.stopping)
         if self.stopping:
             return None
-        losses, tokens = first.losses + rest.losses, first.tokens + rest.tokens
-        compute_s = first.seconds + rest.seconds
+        losses, tokens, compute_s = first.losses + rest.losses, first.tokens + rest.tokens, first.seconds + rest.seconds
         ready = get_dht_time()
 
         # Where the swarm is. An island that fell behind syncs the fragment of the swarm's clock (its
         # contribution discounted by the staleness rule) and takes the group's clock when it resyncs it.
         if self.link.online and train.overlap_steps == 0:
-            self._announce()  # with overlap the exchange thread announces, off the training thread
+            self._announce(scheduled=True)  # with overlap the exchange thread announces, off the training thread
         others = {peer: int(info["outer_step"]) for peer, info in self.swarm_view.items()}
         swarm_step = self.clock.update(self.outer_step, others, get_dht_time(), compute_s)
         for peer, claim in self.clock.implausible.items():
@@ -215,7 +216,7 @@ class Island:
         network = self.config.network
         overlapped = self.config.train.overlap_steps > 0
         if overlapped and self.link.online:
-            self._announce()
+            self._announce(scheduled=True)
         if not self.link.online:
             return Verdict(ExchangeResult(merged=None), contribution.compensated, merged=False, note="solo")
         grace = self.grace.current()
@@ -230,6 +231,7 @@ class Island:
             timeout=timeout,
             schema_tag=contribution.fragment.label,
         )
+        fold_partner_steps(self.swarm_view, result.partners)
         alive = any(peer != self.peer_id for peer in self.swarm_view)
         delays = [data.get("ready", ready) - ready for data in result.partners.values()]
         self.grace.observe(delays, compute_s, missed=alive and not result.partners)

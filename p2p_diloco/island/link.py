@@ -221,6 +221,7 @@ def network_exchange(
         quorum=network.quorum,
         min_matchmaking_time=network.min_matchmaking_time,
         request_timeout=network.request_timeout,
+        leader_poll_s=network.leader_poll_s,
         allreduce_timeout=network.allreduce_timeout,
         next_chunk_timeout=network.next_chunk_timeout,
         codec=network.codec,

@@ -36,6 +36,7 @@ from p2p_diloco.diloco.staleness import (
 )
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.repair import ServedParts, valid_first_part
 from p2p_diloco.net.state_transfer import verified_download
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
@@ -60,6 +61,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         gate: Gate | None = None,
         robust_merge: str = "none",
         token: Any = None,
+        leader_poll_s: float = DEFAULT_POLL_S,
         **kwargs: Any,
     ):
         self.byte_counters = ByteCounters()
@@ -69,6 +71,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         self.robust_merge = robust_merge
         self._token = token
         self._served: ServedParts | None = None  # the latest round's averaged parts, for a member that lost some
+        self.leader_poll_s = leader_poll_s
         super().__init__([torch.zeros(size, dtype=torch.float32)], dht=dht, prefix=prefix, **kwargs)
 
     # hivemind caches the rpc handlers it collects per class hierarchy: without these, a process that used a plain
@@ -90,6 +93,10 @@ class PseudoGradientAverager(DecentralizedAverager):
             await super()._shutdown(timeout)
         except (OSError, ConnectionError) as error:
             logger.info(f"averager stopped after its p2p daemon ({error.__class__.__name__})")
+
+    async def _step(self, **kwargs: Any) -> None:
+        pace_lookups(self._matchmaking.group_key_manager, self.leader_poll_s)  # idempotent; Matchmaking exists now
+        await super()._step(**kwargs)
 
     def get_current_state(self) -> tuple[dict[str, Any], Sequence[torch.Tensor], None]:
         """The island's outer state (anchor, momentum, step...) for a peer that joins late or resyncs."""

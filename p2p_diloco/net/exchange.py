@@ -24,6 +24,7 @@ from p2p_diloco.diloco.staleness import StalenessRule
 from p2p_diloco.net.averager import PseudoGradientAverager, StateProvider
 from p2p_diloco.net.codecs import schema_hash_with_codec
 from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S
 from p2p_diloco.net.quiet_logs import quiet_hivemind
 from p2p_diloco.net.records import PROTOCOL_VERSION
 from p2p_diloco.timeouts import RESULT_MARGIN_S, STAGE_POLL_S, STEP_MARGIN_S
@@ -75,6 +76,7 @@ class GossipExchange:
         quorum: int,
         min_matchmaking_time: float,
         request_timeout: float,
+        leader_poll_s: float = DEFAULT_POLL_S,
         allreduce_timeout: float,
         next_chunk_timeout: float,
         compression: CompressionBase | None = None,
@@ -98,6 +100,7 @@ class GossipExchange:
             gate=gate,
             robust_merge=robust_merge,
             token=membership_token,
+            leader_poll_s=leader_poll_s,
             target_group_size=target_group_size,
             # hivemind assembles a group of one at once, skipping the grace window; the island merging
             # alone is the timeout path instead.

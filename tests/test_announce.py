@@ -1,0 +1,53 @@
+"""When an island announces itself, and how partners' steps keep its view of the swarm current in between."""
+
+from __future__ import annotations
+
+from p2p_diloco.island.announce import AnnounceSchedule, fold_partner_steps
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_scheduled_announce_comes_every_k_rounds_and_an_unscheduled_one_restarts_the_count() -> None:
+    clock = FakeClock()
+    schedule = AnnounceSchedule(every=3, max_interval_s=1000, clock=clock)
+    assert schedule.start(scheduled=False)  # joining always announces
+    assert [schedule.start(scheduled=True) for _ in range(6)] == [False, False, True, False, False, True]
+    schedule.start(scheduled=True)
+    assert schedule.start(scheduled=False)
+    assert [schedule.start(scheduled=True) for _ in range(3)] == [False, False, True]
+
+
+def test_a_long_round_announces_before_the_record_can_expire() -> None:
+    clock = FakeClock()
+    schedule = AnnounceSchedule(every=10, max_interval_s=20, clock=clock)
+    assert schedule.start(scheduled=False)
+    clock.now = 19.9
+    assert not schedule.start(scheduled=True)
+    clock.now = 20.0
+    assert schedule.start(scheduled=True)
+    clock.now = 25.0
+    assert not schedule.start(scheduled=True)
+
+
+def test_every_round_announces_with_k_of_one() -> None:
+    schedule = AnnounceSchedule(every=1, max_interval_s=1000, clock=FakeClock())
+    assert all(schedule.start(scheduled=True) for _ in range(5))
+
+
+def test_partners_steps_update_only_known_islands_and_only_forward() -> None:
+    view = {"a": {"outer_step": 3, "maddrs": ["x"]}, "b": {"outer_step": 5}, "c": {"outer_step": 2}}
+    partners = {
+        "a": {"outer_step": 4},  # newer: taken, the rest of its record kept
+        "b": {"outer_step": 4},  # older than its record: ignored
+        "c": {"outer_step": True},  # not an integer step: ignored
+        "d": {"outer_step": 9},  # never announced: not added
+        "e": "garbage",
+    }
+    assert fold_partner_steps(view, partners) == 1
+    assert view == {"a": {"outer_step": 4, "maddrs": ["x"]}, "b": {"outer_step": 5}, "c": {"outer_step": 2}}

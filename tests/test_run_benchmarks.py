@@ -1,0 +1,40 @@
+"""`make bench`'s runner: every benchmark in turn, timed, stopping at the first failure."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RUNNER = REPO / "scripts" / "run_benchmarks.py"
+
+
+def _runner(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(RUNNER), *args], capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def test_the_runner_times_each_benchmark_and_writes_its_result(tmp_path: Path) -> None:
+    completed = _runner("--only", "simulator", "--quick", "--out", str(tmp_path))
+    assert completed.returncode == 0, completed.stdout[-2000:] + completed.stderr[-2000:]
+    assert "[1/1] simulator.py:" in completed.stdout and "1 benchmarks in" in completed.stdout
+    assert json.loads((tmp_path / "simulator-quick.json").read_text())["paper_comparison"]
+    assert not (tmp_path / "bench_times.json").exists()  # a partial run must not pass for the whole bench
+
+
+def test_an_unknown_benchmark_is_named(tmp_path: Path) -> None:
+    completed = _runner("--only", "nosuch", "--out", str(tmp_path))
+    assert completed.returncode != 0
+    assert "no benchmark named nosuch" in completed.stderr
+
+
+def test_every_benchmark_script_is_run_and_the_report_is_not() -> None:
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        from run_benchmarks import scripts
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    names = [path.name for path in scripts(None)]
+    assert "report.py" not in names and names == sorted(names)
+    assert {"quality.py", "exchange.py", "link.py", "bandwidth.py", "chaos.py", "simulator.py"} <= set(names)
