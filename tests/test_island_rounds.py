@@ -48,6 +48,7 @@ class FakeExchange:
         self.states: list[Callable[[], Any]] = []
         self.sent: list[tuple[torch.Tensor, dict, float]] = []
         self.downloads: list[list[str] | None] = []
+        self.check_max_step = False
 
     def average(self, payload, metadata, *, weight, grace_s, timeout, schema_tag=None) -> ExchangeResult:
         self.sent.append((payload.clone(), dict(metadata), weight))
@@ -55,7 +56,11 @@ class FakeExchange:
 
     def load_state(self, timeout: float, peers=None, **checks):
         self.downloads.append(peers)
-        return self.states.pop(0)() if self.states else None
+        state = self.states.pop(0)() if self.states else None
+        max_step = checks.get("max_step") if self.check_max_step else None
+        if state is not None and max_step is not None and int(state[0]["outer_step"]) > max_step:
+            return None  # as verified_download: a donor past what the swarm can have reached is a liar
+        return state
 
     def set_state_priority(self, priority: float) -> None:
         pass
@@ -182,6 +187,27 @@ def test_the_group_rejects_a_stale_island_that_then_catches_up(tmp_path: Path) -
     assert record["resynced"] and node.outer_step == 7 and record["merge_weights"] == [0.0]
     assert record["note"] == "6 steps stale: contribution rejected, resynced to outer step 7"
     assert torch.equal(node.state.anchor, node.trainer.weights())  # the model holds the adopted anchor
+
+
+def test_a_group_that_finds_the_island_stale_between_announces_sends_it_where_the_swarm_is_now(
+    tmp_path: Path,
+) -> None:
+    # The island announced at step 0 and, announcing every 10 rounds, has not read the records since; meanwhile
+    # the swarm reached step 7. The group tells it it is stale: its catch-up must accept a donor at step 7.
+    records = FakeRecords({"peer-b": {"outer_step": 0}})
+
+    def swarm_moved_on(payload, metadata):
+        records.view = {"peer-b": {"outer_step": 7}}
+        metadata["ready"] -= 120  # frozen for two minutes: the group and the island's clock find 7 steps plausible
+        node.clock.time -= 120
+        return merged_with(lambda values: values, swarm_step=7, outer_step=7)(payload, metadata)
+
+    exchange = FakeExchange([swarm_moved_on])
+    node = island(tmp_path, exchange, records, **{"network.announce_every": 10})
+    exchange.states, exchange.check_max_step = [lambda: None, lambda: donor_state(node, 7)], True
+    (record,) = run(node)
+    assert record["resynced"] and node.outer_step == 7, record["note"]
+    assert record["note"] == "7 steps stale: contribution rejected, resynced to outer step 7"
 
 
 def test_an_island_off_the_group_lineage_downloads_the_canonical_state(tmp_path: Path) -> None:

@@ -3,14 +3,20 @@
 An announce is a signed DHT store of the island's record plus a `get` of every island's record of the run; on a
 5-node swarm that is about 50 KB per island and round (`benchmarks/bandwidth.py`, stop 19), more than a sparse
 codec's whole payload. Between announces the island learns its partners' outer steps from the metadata the group
-gathered in each round, which is what the group itself weighs contributions by.
+gathered in each round, which is what the group itself weighs contributions by; when the group finds it too
+stale, it reads the records at once, so that its catch-up knows where the swarm is now.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
+
+from hivemind.utils import get_dht_time
+
+logger = logging.getLogger(__name__)
 
 
 class AnnounceSchedule:
@@ -48,3 +54,31 @@ def fold_partner_steps(view: dict[str, dict[str, Any]], partners: Mapping[str, M
             view[peer] = {**known, "outer_step": step}  # an existing key: safe beside a reader in another thread
             updated += 1
     return updated
+
+
+class SwarmViewMixin:
+    """Island's side of the run's records: its announcement, the (scheduled) announce, and the swarm clock."""
+
+    def _announcement(self) -> dict[str, Any]:
+        """This island's record in the run (bounded: a few hundred bytes plus a short history)."""
+        identity = {"fingerprint": self.fingerprint, "codec": self.config.network.codec}
+        return self.progress.announcement(identity, self.outer_step, self.trainer, self.link.reachability)
+
+    def _announce(self, *, scheduled: bool = False) -> dict[str, dict[str, Any]]:
+        """Tell the run where we are (a `scheduled` one only when due); returns and keeps the others' records."""
+        if not self.announces.start(scheduled):
+            return self.swarm_view
+        try:
+            self.swarm_view = self.link.records.announce(self._announcement(), check=False)
+            self.link.refresh(self.swarm_view)
+        except Exception as error:  # a slow or restarting DHT must not stop training: use the last view
+            logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
+        return self.swarm_view
+
+    def _update_clock(self, round_s: float) -> int:
+        """Fold this island's step and the swarm view's into the swarm clock, naming impossible claims; the clock."""
+        others = {peer: int(info["outer_step"]) for peer, info in self.swarm_view.items()}
+        swarm_step = self.clock.update(self.outer_step, others, get_dht_time(), round_s)
+        for peer, claim in self.clock.implausible.items():
+            self.progress.warn_once(peer, f"claims outer step {claim}, which the swarm cannot have reached: ignored")
+        return swarm_step

@@ -22,7 +22,7 @@ from p2p_diloco.diloco.grace import GraceWindow
 from p2p_diloco.diloco.merge import is_finite
 from p2p_diloco.diloco.outer import pseudo_gradient
 from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
-from p2p_diloco.island.announce import AnnounceSchedule, fold_partner_steps
+from p2p_diloco.island.announce import AnnounceSchedule, SwarmViewMixin, fold_partner_steps
 from p2p_diloco.island.checkpoints import restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import SwarmLink, connect, solo_link
@@ -45,7 +45,7 @@ Connector = Callable[..., SwarmLink]
 """Makes the island's SwarmLink (`p2p_diloco.island.link.connect`, or a fake one in tests)."""
 
 
-class Island:
+class Island(SwarmViewMixin):
     """A peer that trains with DiLoCo and merges pseudo-gradients with the swarm."""
 
     def __init__(
@@ -112,23 +112,6 @@ class Island:
         )
         self.resync = Resync(self.link.exchange, self.state, timeout=network.state_timeout)
 
-    # ----- the swarm's view ---------------------------------------------------------------------------------
-    def _announcement(self) -> dict[str, Any]:
-        """This island's record in the run (bounded: a few hundred bytes plus a short history)."""
-        identity = {"fingerprint": self.fingerprint, "codec": self.config.network.codec}
-        return self.progress.announcement(identity, self.outer_step, self.trainer, self.link.reachability)
-
-    def _announce(self, *, scheduled: bool = False) -> dict[str, dict[str, Any]]:
-        """Tell the run where we are (a `scheduled` one only when due); returns and keeps the others' records."""
-        if not self.announces.start(scheduled):
-            return self.swarm_view
-        try:
-            self.swarm_view = self.link.records.announce(self._announcement(), check=False)
-            self.link.refresh(self.swarm_view)
-        except Exception as error:  # a slow or restarting DHT must not stop training: use the last view
-            logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
-        return self.swarm_view
-
     # ----- one round ----------------------------------------------------------------------------------------
     def _round(self) -> dict[str, Any] | None:
         """One outer step: inner steps, merge (or catch up when too stale), outer step, eval; returns its record
@@ -156,10 +139,7 @@ class Island:
         # contribution discounted by the staleness rule) and takes the group's clock when it resyncs it.
         if self.link.online and train.overlap_steps == 0:
             self._announce(scheduled=True)  # with overlap the exchange thread announces, off the training thread
-        others = {peer: int(info["outer_step"]) for peer, info in self.swarm_view.items()}
-        swarm_step = self.clock.update(self.outer_step, others, get_dht_time(), compute_s)
-        for peer, claim in self.clock.implausible.items():
-            self.progress.warn_once(peer, f"claims outer step {claim}, which the swarm cannot have reached: ignored")
+        swarm_step = self._update_clock(compute_s)
         staleness = swarm_step - self.outer_step
         fragment = self.fragments[fragment_for_step(swarm_step, train.fragments)]
 
@@ -287,6 +267,9 @@ class Island:
         if self.error_feedback is not None:
             for feedback in self.error_feedback.values():
                 feedback.clear()
+        if self.link.online:  # where the swarm is now, not as of the last announce: the donors are there
+            self._announce()
+            self._update_clock(float(contribution.metadata.get("round_s") or 1.0))
         caught = self.resync.catch_up(max_step=self.clock.value + 1 if self.clock.value is not None else None)
         if caught.status is CatchUpStatus.ADOPTED:
             self.trainer.load_all(self.state.anchor)
