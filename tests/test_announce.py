@@ -23,6 +23,15 @@ def test_a_scheduled_announce_comes_every_k_rounds_and_an_unscheduled_one_restar
     assert [schedule.start(scheduled=True) for _ in range(3)] == [False, False, True]
 
 
+def test_a_round_without_partners_hurries_the_next_announce() -> None:
+    schedule = AnnounceSchedule(every=4, max_interval_s=1000, clock=FakeClock())
+    schedule.start(scheduled=False)
+    assert not schedule.start(scheduled=True)
+    schedule.hurry()
+    assert schedule.start(scheduled=True)
+    assert not schedule.start(scheduled=True)  # and the count starts again
+
+
 def test_a_long_round_announces_before_the_record_can_expire() -> None:
     clock = FakeClock()
     schedule = AnnounceSchedule(every=10, max_interval_s=20, clock=clock)

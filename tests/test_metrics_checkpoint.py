@@ -273,3 +273,17 @@ def test_plot_losses_writes_png(tmp_path: Path) -> None:
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(data) > 1000
+
+
+def test_a_process_knows_its_age_to_a_clock_tick() -> None:
+    # A restart's start-up phases are measured from the process's creation (chaos.py's breakdown): psutil's
+    # create_time was up to a second off, enough to make the phases add up to more than the whole restart.
+    import subprocess
+    import sys
+    import time
+
+    code = "from p2p_diloco.island.progress import process_age_s; print(process_age_s())"
+    launched = time.time()
+    printed = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    elapsed = time.time() - launched
+    assert 0 < float(printed) <= elapsed + 0.02, (printed, elapsed)

@@ -27,6 +27,11 @@ class AnnounceSchedule:
         self._rounds_since = 0
         self._last = float("-inf")
 
+    def hurry(self) -> None:
+        """Make the next scheduled announce come at once: after a round without partners the view may be stale
+        (islands that joined since, a relayed island to dial), and the chatter saved is no longer worth it."""
+        self._rounds_since = self.every
+
     def start(self, scheduled: bool) -> bool:
         """Whether to announce now: always when not `scheduled` (joining, leaving), else once the round is due.
 

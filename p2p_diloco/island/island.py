@@ -212,6 +212,8 @@ class Island(SwarmViewMixin):
             schema_tag=contribution.fragment.label,
         )
         fold_partner_steps(self.swarm_view, result.partners)
+        if not result.partners:
+            self.announces.hurry()
         alive = any(peer != self.peer_id for peer in self.swarm_view)
         delays = [data.get("ready", ready) - ready for data in result.partners.values()]
         self.grace.observe(delays, compute_s, missed=alive and not result.partners)

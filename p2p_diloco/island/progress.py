@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from typing import Any
@@ -112,12 +113,23 @@ def startup_times(connecting: float, restoring: float, join_s: float) -> dict[st
     process_start_s: from the process's creation to joining (interpreter, imports, model, data); join_s: the DHT,
     reachability, announcement and averager; restore_s: the checkpoint or the swarm's state (download included).
     """
-    import psutil
-
     restored = time.monotonic()
-    age = time.time() - psutil.Process().create_time()
+    age = process_age_s()
     return {
         "process_start_s": max(0.0, age - (restored - connecting)),
         "join_s": join_s,
         "restore_s": restored - restoring,
     }
+
+
+def process_age_s() -> float:
+    """Seconds since this process was created, to a clock tick: psutil's create_time adds a boot time rounded to
+    the second, which put a restart's start-up phases up to a second off (chaos.py's breakdown)."""
+    try:
+        with open("/proc/self/stat") as stat, open("/proc/uptime") as uptime:
+            start_ticks = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime, after pid and comm
+            return float(uptime.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):  # not Linux
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
