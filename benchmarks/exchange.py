@@ -176,7 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     for line in result["profile"]["summary"]:
         print(" - " + line)
     print(f"\nwrote {path} and {args.out / (name + '.png')} in {result['runtime_s']:.0f}s")
-    return 0 if all(r.get("correct") for r in rows) else 1
+    # Stock hivemind is the baseline, not what is judged: a round it loses (its reply streams can end short, which
+    # p2p-diloco repairs) is reported in its row and here, and does not fail the benchmark.
+    for row in rows:
+        if row["system"] == "hivemind" and not row.get("correct"):
+            print(
+                f"stock hivemind lost a round ({row['codec']}, {row['values']} x {row['peers']}): {row.get('errors')}"
+            )
+    return 0 if all(r.get("correct") for r in rows if r["system"] != "hivemind") else 1
 
 
 if __name__ == "__main__":

@@ -32,6 +32,9 @@ def test_exchange_benchmark_smoke(tmp_path: Path) -> None:
     for row in rows:
         assert ROW_KEYS <= set(row), row
         assert (row["values"], row["peers"]) == (1_000_000, 2)
+        if row["system"] == "hivemind" and not row["correct"]:  # the baseline may lose a round; it must say so
+            assert row.get("failures") or row.get("error"), row
+            continue
         assert row["correct"] is True, row
         assert row["seconds"] > 0
         assert row["gb_per_s"] == pytest.approx(row["values"] * 4 / row["seconds"] / 1e9)
