@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     for line in result["profile"]["summary"]:
         print(" - " + line)
     print(f"\nwrote {path} and {args.out / (name + '.png')} in {result['runtime_s']:.0f}s")
-    # Stock hivemind is the baseline, not what is judged: a round it loses (its reply streams can end short, which
-    # p2p-diloco repairs) is reported in its row and here, and does not fail the benchmark.
+    # Stock hivemind is the baseline, not what is judged: a round it loses (a reply stream cut short, which
+    # p2p-diloco repairs, or a matchmaking race) is reported in its row and here, and does not fail the benchmark.
     for row in rows:
         if row["system"] == "hivemind" and not row.get("correct"):
             print(

@@ -16,7 +16,9 @@ class FakeClock:
 def test_a_scheduled_announce_comes_every_k_rounds_and_an_unscheduled_one_restarts_the_count() -> None:
     clock = FakeClock()
     schedule = AnnounceSchedule(every=3, max_interval_s=1000, clock=clock)
+    assert not schedule.fresh
     assert schedule.start(scheduled=False)  # joining always announces
+    assert schedule.fresh
     assert [schedule.start(scheduled=True) for _ in range(6)] == [False, False, True, False, False, True]
     schedule.start(scheduled=True)
     assert schedule.start(scheduled=False)

@@ -32,6 +32,11 @@ class AnnounceSchedule:
         (islands that joined since, a relayed island to dial), and the chatter saved is no longer worth it."""
         self._rounds_since = self.every
 
+    @property
+    def fresh(self) -> bool:
+        """True when no scheduled round has passed since the last announce: the view is this round's."""
+        return self._rounds_since == 0 and self._last > float("-inf")
+
     def start(self, scheduled: bool) -> bool:
         """Whether to announce now: always when not `scheduled` (joining, leaving), else once the round is due.
 

@@ -269,7 +269,7 @@ class Island(SwarmViewMixin):
         if self.error_feedback is not None:
             for feedback in self.error_feedback.values():
                 feedback.clear()
-        if self.link.online:  # where the swarm is now, not as of the last announce: the donors are there
+        if self.link.online and not self.announces.fresh:  # where the swarm is now: the donors are there
             self._announce()
             self._update_clock(float(contribution.metadata.get("round_s") or 1.0))
         caught = self.resync.catch_up(max_step=self.clock.value + 1 if self.clock.value is not None else None)
