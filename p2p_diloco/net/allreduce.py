@@ -161,8 +161,8 @@ class StrictAllReduceRunner(AllReduceRunner):
                 self.byte_counters.add(received=message.tensor_part.ByteSize())
                 return deserialize_torch_tensor(message.tensor_part)
 
-            received = await self._register_replies(peer_id, peer_index, stream, deserialize, first=0)
             expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+            received = await self._register_replies(peer_id, peer_index, stream, deserialize, 0, expected)
             if received < expected:
                 received = await self._ask_again(peer_id, peer_index, deserialize, received, expected)
             if received != expected:
@@ -180,13 +180,23 @@ class StrictAllReduceRunner(AllReduceRunner):
             group_id=self.group_id, weight=received, tensor_part=runtime_pb2.Tensor(compression=self._compression_type)
         )
         stream = await self._get_peer_stub(peer_id).rpc_repair_parts(request)
-        received = await self._register_replies(peer_id, peer_index, stream, deserialize, first=received)
-        if received == expected:
+
+        def mended() -> None:
             self.byte_counters.count_repair()
             logger.info(f"reducer {peer_id} sent the missing parts again: the round is complete")
-        return received
 
-    async def _register_replies(self, peer_id: PeerID, peer_index: int, stream, deserialize, first: int) -> int:
+        return await self._register_replies(peer_id, peer_index, stream, deserialize, received, expected, mended)
+
+    async def _register_replies(
+        self,
+        peer_id: PeerID,
+        peer_index: int,
+        stream,
+        deserialize,
+        first: int,
+        expected: int,
+        on_last_part: Callable[[], None] | None = None,
+    ) -> int:
         """Register a reducer's averaged parts from `first` on; the index after the last one that arrived."""
         part_index = first
         try:
@@ -195,6 +205,10 @@ class StrictAllReduceRunner(AllReduceRunner):
                 aiter_with_timeout(stream, self.reducer_timeout),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
+                if part_index == expected - 1 and on_last_part is not None:
+                    # Before registering: the last part may complete the round, and the member may be gone before
+                    # this stream reports its end.
+                    on_last_part()
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged_part)
                 part_index += 1
         except (ConnectionError, asyncio.IncompleteReadError, P2PDaemonError) as error:  # a broken stream
