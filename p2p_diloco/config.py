@@ -169,6 +169,12 @@ class NetworkConfig:
     (never lead a group, reduce or serve state); 'off': never."""
     relay_port: int = 0
     """TCP port this island serves relay control on when it is reachable (0: any free port)."""
+    direct_lanes: bool = True
+    """Send all-reduce parts straight over TCP to islands this one can reach, outside libp2p (several times faster;
+    opened by a ticket sent over libp2p, sealed with AES-GCM); islands it cannot reach still get them over libp2p."""
+    direct_port: int = 0
+    """TCP port for direct lanes, on the addresses this island listens on (0: any free port; open it in a firewall
+    with --direct-port to let others reach it directly)."""
     peers_file: str | None = None
     """Keep the multiaddrs of live peers here; a restart joins through them as well as --initial-peers."""
     rebootstrap_s: float = 15.0

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 import time
 
@@ -43,6 +44,25 @@ def cut_reply_streams(after: int) -> None:
             replies += 1
 
     StrictAllReduceRunner._accumulate_parts_streaming = cut
+    original_lane = StrictAllReduceRunner.reduce_from_lane
+
+    async def cut_lane(self, lane, sender_index: int) -> None:
+        victim = next(index for index, peer in enumerate(self.sender_peer_ids) if peer != self.peer_id)
+        if sender_index == victim:
+            send, replies = lane.send, [0]
+
+            async def lossy_send(part_index, kind, payload, weight=0.0):
+                replies[0] += 1
+                if replies[0] <= after:
+                    return await send(part_index, kind, payload, weight)
+                if replies[0] == after + 1:  # the lane breaks on the way back; this reducer still reads every part
+                    lane.sock.shutdown(socket.SHUT_WR)
+                return len(payload)
+
+            lane.send = lossy_send
+        await original_lane(self, lane, sender_index)
+
+    StrictAllReduceRunner.reduce_from_lane = cut_lane
 
 
 def main() -> None:
@@ -57,6 +77,7 @@ def main() -> None:
     parser.add_argument("--outer-step", type=int, default=None, help="gather an island's staleness metadata")
     parser.add_argument("--schema-tag", type=int, default=None, help="exchange this fragment only")
     parser.add_argument("--cut-replies-after", type=int, help="fault: cut one sender's reply stream after N parts")
+    parser.add_argument("--lanes", choices=["on", "off"], default="on", help="direct lanes, or libp2p streams only")
     args = parser.parse_args()
     setup_logging("info")
     if args.cut_replies_after is not None:
@@ -81,6 +102,7 @@ def main() -> None:
         allreduce_timeout=30.0,
         next_chunk_timeout=args.chunk_timeout,
         staleness_rule=STALENESS_RULE,
+        direct_lanes=args.lanes == "on",
     )
     try:
         if args.schema_tag is not None:
@@ -112,8 +134,9 @@ def main() -> None:
         if gathered:
             result = {"sum": float(buffer.double().sum()), "first": buffer[:4].tolist(), "group": len(gathered)}
         restored = bool(torch.equal(buffer, vector)) if not args.nan else None
-        repairs = exchange.averager.byte_counters.repairs()
-        print("RESULT " + json.dumps({"merged": result, "restored": restored, "repairs": repairs}), flush=True)
+        counters = exchange.averager.byte_counters
+        record = {"merged": result, "restored": restored, "repairs": counters.repairs(), "lanes": counters.lanes()}
+        print("RESULT " + json.dumps(record), flush=True)
     finally:
         exchange.shutdown()
         shutdown_dht(dht)

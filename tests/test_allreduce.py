@@ -216,18 +216,22 @@ def test_group_gets_the_exact_mean_with_identical_bits(members: Members) -> None
         torch.testing.assert_close(torch.tensor(result["first"]), mean[:4], atol=1e-6, rtol=0)
     assert len({json.dumps(result) for result in merged}) == 1, "members ended with different bits"
     assert all(result["restored"] for result in results if result["merged"] is None)
+    assert all(result["lanes"] == 2 for result in results if result["merged"] is not None), results
 
 
+@pytest.mark.parametrize("lanes", ["on", "off"])
 def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays_whole(
-    members: Members, tmp_path: Path
+    members: Members, tmp_path: Path, lanes: str
 ) -> None:
     # Member 3, as a reducer, stops replying to one sender after 1 of its 3 or 4 parts but reduces them all: the bytes
-    # were lost in transit. That sender asks again for parts 1.. and every member merges the same, exact mean.
+    # were lost in transit (on a direct lane or a libp2p stream). That sender asks again over libp2p for parts 1..
+    # and every member merges the same, exact mean.
     size, seeds = 1_200_000, [51, 52, 53]
     logs = [tmp_path / f"member-{seed}.log" for seed in seeds]
-    first = members.start(seeds[0], size, 3, [], "--chunk-timeout", "10", log=logs[0])
-    members.start(seeds[1], size, 3, [first.maddr], "--chunk-timeout", "10", log=logs[1])
-    members.start(seeds[2], size, 3, [first.maddr], "--chunk-timeout", "10", "--cut-replies-after", "1", log=logs[2])
+    options = ["--chunk-timeout", "10", "--lanes", lanes]
+    first = members.start(seeds[0], size, 3, [], *options, log=logs[0])
+    members.start(seeds[1], size, 3, [first.maddr], *options, log=logs[1])
+    members.start(seeds[2], size, 3, [first.maddr], *options, "--cut-replies-after", "1", log=logs[2])
     members.go()
     results = [members.result(process) for process in members.processes]
     mean = _true_mean(seeds, size)
@@ -242,6 +246,7 @@ def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays
     assert sum("sent the missing parts again: the round is complete" in text for text in texts[:2]) == 1
     assert "parts 1.. of its round again" in texts[2]
     assert [result["repairs"] for result in results[:2]].count(1) == 1 and results[2]["repairs"] == 0
+    assert all(result["lanes"] == (2 if lanes == "on" else 0) for result in results), results
 
 
 def test_group_applies_the_staleness_rule_against_its_robust_clock(members: Members) -> None:

@@ -229,6 +229,8 @@ def network_exchange(
         client_mode=client_mode,
         gate=Gate(membership, network.ban_rounds),
         membership_token=None if membership is None else membership.token,
+        direct_lanes=network.direct_lanes,
+        direct_port=network.direct_port,
         **options,
     )
 
@@ -275,7 +277,7 @@ def connect(
             declare_state_period=network.declare_state_period,
             robust_merge=resolved_robust_merge(network),
         )
-        link.transport = TransportMeter()
+        link.transport = TransportMeter(lanes=link.exchange.averager.byte_counters.wire)
         link.transport.read()
     except BaseException:
         link.close()

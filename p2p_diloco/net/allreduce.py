@@ -19,13 +19,15 @@ from collections.abc import AsyncIterator, Callable
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
 
+from p2p_diloco.net.direct import DirectLanes
+from p2p_diloco.net.lane_parts import LanePartsMixin
 from p2p_diloco.net.reducers import make_reducer
 from p2p_diloco.net.repair import ServedParts
 
@@ -40,6 +42,29 @@ class ByteCounters:
         self._sent = mp.Value(ctypes.c_double, 0.0)
         self._received = mp.Value(ctypes.c_double, 0.0)
         self._repaired = mp.Value(ctypes.c_long, 0)
+        self._lanes = mp.Value(ctypes.c_long, 0)
+        self._wire_sent = mp.Value(ctypes.c_double, 0.0)
+        self._wire_received = mp.Value(ctypes.c_double, 0.0)
+
+    def count_lane(self) -> None:
+        """Count one reducer this process sent its parts to over a direct lane."""
+        with self._lanes.get_lock():
+            self._lanes.value += 1
+
+    def lanes(self) -> int:
+        """Direct lanes opened as a sender so far."""
+        return self._lanes.value
+
+    def add_wire(self, sent: float, received: float) -> None:
+        """Count the bytes a closed direct lane moved over TCP (frames, tags and hello included)."""
+        with self._wire_sent.get_lock():
+            self._wire_sent.value += sent
+        with self._wire_received.get_lock():
+            self._wire_received.value += received
+
+    def wire(self) -> tuple[float, float]:
+        """(bytes sent, bytes received) over TCP by direct lanes so far (libp2p's own are counted by `ss`)."""
+        return self._wire_sent.value, self._wire_received.value
 
     def count_repair(self) -> None:
         """Count one broken reply stream whose missing parts arrived over a new one."""
@@ -83,8 +108,44 @@ class LinkLimiter:
         await asyncio.sleep(self.free_at - now)
 
 
-class StrictAllReduceRunner(AllReduceRunner):
-    """AllReduceRunner that returns averages (not deltas), poisons partial reductions and counts bytes."""
+async def write_results_in_place(container: TensorPartContainer) -> AsyncIterator[torch.Tensor]:
+    """hivemind's TensorPartContainer.iterate_output_tensors, but each averaged part is copied into the local tensor
+    as it arrives and the local tensors themselves are yielded.
+
+    This replaces a method of hivemind's container and reads its private queues: the stock method concatenates every
+    tensor's parts into a new tensor (200 MB of fresh pages per round at 50M values) that is then copied again. Writing
+    part p early is safe: its result arrives only after its reducer (ourselves included) has consumed our part p, and
+    a failed round restores the tensors from the averager's backup."""
+    assert not container._outputs_consumed, "output tensors are already iterated and no longer available."
+    container._outputs_consumed = True
+    peer_index = num_parts_processed = 0
+    for tensor_index, tensor in enumerate(container.local_tensors):
+        flat, offset, parts_done = tensor.view(-1), 0, 0
+        while parts_done < container.num_parts_by_tensor[tensor_index]:
+            if num_parts_processed >= container.num_parts_by_peer[peer_index]:
+                num_parts_processed = 0
+                peer_index += 1
+                continue
+            if not container._output_parts_by_peer[peer_index]:
+                container._output_part_available[peer_index].clear()
+                await container._output_part_available[peer_index].wait()
+                if container.finished.is_set():
+                    raise AllreduceException("All-reduce was terminated during iteration")
+            part = container._output_parts_by_peer[peer_index].popleft()
+            if part.numel() > flat.numel() - offset:
+                raise AllreduceException(f"an averaged part of {part.numel()} values overflows tensor {tensor_index}")
+            flat[offset : offset + part.numel()].copy_(part.reshape(-1))
+            offset += part.numel()
+            num_parts_processed += 1
+            parts_done += 1
+        if offset != flat.numel():
+            raise AllreduceException(f"averaged parts cover {offset} of tensor {tensor_index}'s {flat.numel()} values")
+        yield tensor
+
+
+class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
+    """AllReduceRunner that returns averages (not deltas), poisons partial reductions, counts bytes and moves parts
+    over direct lanes where the reducer can be reached."""
 
     def __init__(
         self,
@@ -93,10 +154,12 @@ class StrictAllReduceRunner(AllReduceRunner):
         robust_merge: str = "none",
         weight_caps: dict[PeerID, float] | None = None,
         on_dropped: Callable[[PeerID, str], None] | None = None,
+        lanes: DirectLanes | None = None,
         **kwargs,
     ) -> None:
         super().__init__(**kwargs)
         self.byte_counters = byte_counters
+        self.lanes = lanes
         self.link = LinkLimiter.from_env()
         reduces = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] > 0
         self._remote_senders = sum(peer != self.peer_id for peer in self.sender_peer_ids) if reduces else 0
@@ -114,6 +177,8 @@ class StrictAllReduceRunner(AllReduceRunner):
             robust_merge, tuple(part.shape for part in self.parts_for_local_averaging), caps, dropped
         )
         self._compression_type = self.tensor_part_container.compression.compression_type
+        container = self.tensor_part_container
+        container.iterate_output_tensors = lambda: write_results_in_place(container)
         self.served = ServedParts(self.group_id, self.sender_peer_ids, self.tensor_part_reducer.num_parts)
 
     async def wait_for_replies(self, timeout: float) -> None:
@@ -149,20 +214,24 @@ class StrictAllReduceRunner(AllReduceRunner):
                 )
             return
         try:
-            done_sending = asyncio.Event()
-            inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
-            stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
-            if self.should_delay_results(self.peer_id):
-                await done_sending.wait()
-
-            def deserialize(message: averaging_pb2.AveragingData) -> torch.Tensor:
-                if message.code != averaging_pb2.AVERAGED_PART:
-                    raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
-                self.byte_counters.add(received=message.tensor_part.ByteSize())
-                return deserialize_torch_tensor(message.tensor_part)
-
             expected = self.tensor_part_container.num_parts_by_peer[peer_index]
-            received = await self._register_replies(peer_id, peer_index, stream, deserialize, 0, expected)
+            deserialize = self._reply_decoder(peer_id)
+            lane = await self._open_lane(peer_id)
+            if lane is not None:
+                try:
+                    received = await self._communicate_over_lane(lane, peer_id, peer_index)
+                    if received < expected:  # before closing the lane: its end tells the reducer we are done
+                        received = await self._ask_again(peer_id, peer_index, deserialize, received, expected)
+                finally:
+                    self.byte_counters.add_wire(lane.bytes_sent, lane.bytes_received)
+                    lane.close()
+            else:
+                done_sending = asyncio.Event()
+                inputs_aiter = attach_event_on_finished(self._generate_input_for_peer(peer_index), done_sending)
+                stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)
+                if self.should_delay_results(self.peer_id):
+                    await done_sending.wait()
+                received = await self._register_replies(peer_id, peer_index, stream, deserialize, 0, expected)
             if received < expected:
                 received = await self._ask_again(peer_id, peer_index, deserialize, received, expected)
             if received != expected:
@@ -171,6 +240,17 @@ class StrictAllReduceRunner(AllReduceRunner):
             logger.warning(f"reducer {peer_id} failed, the round will be discarded: {error!r}")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
+
+    def _reply_decoder(self, peer_id: PeerID) -> Callable[[averaging_pb2.AveragingData], torch.Tensor]:
+        """Decodes (and counts) a reducer's reply message; a message that is not an averaged part fails the reducer."""
+
+        def deserialize(message: averaging_pb2.AveragingData) -> torch.Tensor:
+            if message.code != averaging_pb2.AVERAGED_PART:
+                raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(message.code)}")
+            self.byte_counters.add(received=message.tensor_part.ByteSize())
+            return deserialize_torch_tensor(message.tensor_part)
+
+        return deserialize
 
     async def _ask_again(self, peer_id: PeerID, peer_index: int, deserialize, received: int, expected: int) -> int:
         """Fetch the averaged parts a broken reply stream lost from the same reducer over a new stream."""
@@ -251,11 +331,14 @@ class StrictAllReduceRunner(AllReduceRunner):
                     await self.link.send(serialized.ByteSize())
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
         finally:
-            self._closed_sender_streams += 1
-            if self._closed_sender_streams >= self._remote_senders:
-                self._replies_sent.set()
+            self._sender_stream_closed()
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _sender_stream_closed(self) -> None:
+        self._closed_sender_streams += 1
+        if self._closed_sender_streams >= self._remote_senders:
+            self._replies_sent.set()
 
     async def _count_received(
         self, stream: AsyncIterator[averaging_pb2.AveragingData]

@@ -35,11 +35,12 @@ from p2p_diloco.diloco.staleness import (
     weight_claims_over_cap,
 )
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
+from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.repair import ServedParts, valid_first_part
 from p2p_diloco.net.state_transfer import verified_download
-from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
+from p2p_diloco.process import die_with_parent, ignore_group_stop_signals, keep_freed_memory
 from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
 
 logger = get_logger(__name__)
@@ -62,9 +63,15 @@ class PseudoGradientAverager(DecentralizedAverager):
         robust_merge: str = "none",
         token: Any = None,
         leader_poll_s: float = DEFAULT_POLL_S,
+        direct_lanes: bool = True,
+        direct_port: int = 0,
         **kwargs: Any,
     ):
         self.byte_counters = ByteCounters()
+        # Lanes open sockets in the averager's own process, on first use (see _lanes).
+        self._lanes_wanted = direct_lanes and DirectLanes.enabled_by_env()
+        self._direct_port = direct_port
+        self._direct_lanes: DirectLanes | None = None
         self._state_provider = state_provider
         self._staleness_rule = staleness_rule
         self.gate = gate or Gate(None, ban_rounds=0)
@@ -83,9 +90,18 @@ class PseudoGradientAverager(DecentralizedAverager):
         """Serve averaging after arranging to die with the island's process."""
         die_with_parent()
         ignore_group_stop_signals()
+        keep_freed_memory()
         super().run()
 
+    def _lanes(self) -> DirectLanes | None:
+        """This process's direct lanes (None when they are off)."""
+        if self._lanes_wanted and self._direct_lanes is None:
+            self._direct_lanes = DirectLanes(self._direct_port)
+        return self._direct_lanes
+
     async def _shutdown(self, timeout: float | None) -> None:
+        if self._direct_lanes is not None:
+            self._direct_lanes.close()
         # Overrides hivemind's private shutdown: a stop signal sent to the whole process group (systemd's default,
         # `kill -TERM -PGID`) also stops the p2pd daemon, and hivemind's unregistering of handlers then dies with a
         # traceback on the daemon's vanished socket. There is nothing left to unregister in that case.
@@ -116,7 +132,7 @@ class PseudoGradientAverager(DecentralizedAverager):
         if caps is not None:
             kwargs["weight"] = min(kwargs.get("weight", 1.0), caps.pop(None))
             kwargs["weight_caps"] = caps
-        backup = [tensor.clone() for tensor in tensors]
+        backup = self._backup_of(tensors)
         runner = StrictAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -127,6 +143,7 @@ class PseudoGradientAverager(DecentralizedAverager):
             byte_counters=self.byte_counters,
             robust_merge=self.robust_merge,
             on_dropped=self._dropped,
+            lanes=self._lanes(),
             **kwargs,
         )
         self._served = runner.served  # the latest round only: a member asks for lost parts right after a round
@@ -134,7 +151,8 @@ class PseudoGradientAverager(DecentralizedAverager):
         self._running_groups[group_id].set_result(runner)
         try:
             async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                tensor.copy_(averaged)
+                if averaged.data_ptr() != tensor.data_ptr():  # the runner writes results in place
+                    tensor.copy_(averaged)
             if runner.failed_size:
                 raise AllreduceException(f"partial all-reduce: {runner.failed_size} values were not averaged")
             # A sum is ~25x cheaper than an elementwise check and is NaN/inf whenever any value is.
@@ -146,6 +164,15 @@ class PseudoGradientAverager(DecentralizedAverager):
             for tensor, saved in zip(tensors, backup):
                 tensor.copy_(saved)
             raise
+
+    def _backup_of(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """A copy of `tensors` in buffers kept across rounds (a fresh 200 MB clone per round cost ~50k page faults)."""
+        saved = getattr(self, "_backup", None)
+        if saved is None or [t.shape for t in saved] != [t.shape for t in tensors]:
+            saved = self._backup = [torch.empty_like(tensor) for tensor in tensors]
+        for buffer, tensor in zip(saved, tensors):
+            buffer.copy_(tensor)
+        return saved
 
     def _gathered(self, group_info: GroupInfo) -> dict[PeerID, dict[str, Any]]:
         """Every member's gathered metadata (an empty dict for one that sent something else)."""
@@ -219,6 +246,27 @@ class PseudoGradientAverager(DecentralizedAverager):
             return
         async for response in super().rpc_aggregate_part(stream, context):
             yield response
+
+    async def rpc_direct_ticket(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.DownloadData:
+        """Hand a sender of a round this island reduces a one-time ticket for a direct lane (empty: use libp2p)."""
+        lanes = self._lanes()
+        if lanes is None or not self.gate.member(context.remote_id.to_base58()):
+            return averaging_pb2.DownloadData()
+        if request.group_id not in self._running_groups:  # the leader's word may reach us after a sender's
+            await asyncio.wait_for(self._pending_groups_registered.wait(), self.next_chunk_timeout)
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            return averaging_pb2.DownloadData()
+        runner = await asyncio.wait_for(asyncio.shield(future), self.next_chunk_timeout)
+        reduces = runner.tensor_part_reducer.num_parts > 0
+        if not reduces or context.remote_id not in runner.sender_peer_ids:
+            return averaging_pb2.DownloadData()
+        maddrs = await self._p2p.get_visible_maddrs()
+        sender_index = runner.sender_peer_ids.index(context.remote_id)
+        offer = await lanes.offer(runner, sender_index, maddrs, ttl=self._allreduce_timeout or self.next_chunk_timeout)
+        return averaging_pb2.DownloadData(metadata=self.serializer.dumps(offer) if offer else b"")
 
     async def rpc_repair_parts(
         self, request: averaging_pb2.AveragingData, context: P2PContext

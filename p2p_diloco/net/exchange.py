@@ -47,6 +47,8 @@ class ExchangeResult:
     bytes_recv: float = 0.0
     streams_repaired: int = 0
     """Reducers' reply streams that broke in this round and whose missing parts came over a new stream."""
+    lanes: int = 0
+    """Reducers this island sent its parts to over a direct lane in this round (the rest went over libp2p)."""
     error: str | None = None
     """Why the round gave no merge (no partner, a failed all-reduce...)."""
 
@@ -89,6 +91,8 @@ class GossipExchange:
         robust_merge: str = "none",
         membership_token: Any = None,
         part_size_bytes: int | None = None,
+        direct_lanes: bool = True,
+        direct_port: int = 0,
     ):
         quiet_hivemind()  # before the averager process forks: its normal round failures are ours to report
         self.averager = PseudoGradientAverager(
@@ -101,6 +105,8 @@ class GossipExchange:
             robust_merge=robust_merge,
             token=membership_token,
             leader_poll_s=leader_poll_s,
+            direct_lanes=direct_lanes,
+            direct_port=direct_port,
             target_group_size=target_group_size,
             # hivemind assembles a group of one at once, skipping the grace window; the island merging
             # alone is the timeout path instead.
@@ -146,6 +152,7 @@ class GossipExchange:
         """
         sent0, recv0 = self.averager.byte_counters.read()
         repairs0 = self.averager.byte_counters.repairs()
+        lanes0 = self.averager.byte_counters.lanes()
         start = time.monotonic()
         if schema_tag != self._schema_tag:
             self.averager.set_schema_tag(schema_tag)
@@ -187,6 +194,7 @@ class GossipExchange:
         result.wait_s = time.monotonic() - start
         result.bytes_sent, result.bytes_recv = sent1 - sent0, recv1 - recv0
         result.streams_repaired = self.averager.byte_counters.repairs() - repairs0
+        result.lanes = self.averager.byte_counters.lanes() - lanes0
         return result
 
     def load_state(

@@ -20,31 +20,37 @@ from hivemind.proto import runtime_pb2
 
 
 class ServedParts:
-    """One reducer's averaged parts of one round, by part index and compression, in wire form."""
+    """One reducer's averaged parts of one round, by part index, and in wire form by part index and compression."""
 
     def __init__(self, group_id: bytes, senders: Sequence[PeerID], num_parts: int) -> None:
         self.group_id, self.senders, self.num_parts = group_id, tuple(senders), num_parts
+        self._averaged: dict[int, torch.Tensor] = {}
         self._parts: dict[tuple[int, int], asyncio.Future] = {}
         self._new_part = asyncio.Condition()
 
+    async def record(self, index: int, averaged: torch.Tensor) -> None:
+        """Keep averaged part `index` (as sent over a direct lane) for a member that may ask for it again."""
+        if index not in self._averaged:
+            self._averaged[index] = averaged
+            async with self._new_part:
+                self._new_part.notify_all()
+
     async def serialized(self, index: int, averaged: torch.Tensor, compression: int) -> runtime_pb2.Tensor:
         """Part `index` in wire form: serialized by the first stream that sends it, shared with the others."""
+        await self.record(index, averaged)
         key = (index, compression)
         if key not in self._parts:
             # An executor future runs to its end even if the stream that started it is cancelled meanwhile.
             loop = asyncio.get_running_loop()
             self._parts[key] = loop.run_in_executor(None, serialize_torch_tensor, averaged, compression)
-            async with self._new_part:
-                self._new_part.notify_all()
         return await asyncio.shield(self._parts[key])
 
     async def resend(self, first: int, compression: int, timeout: float) -> AsyncIterator[runtime_pb2.Tensor]:
         """Parts `first`.. in order, each waited for at most `timeout` s if the round has not produced it yet."""
         for index in range(first, self.num_parts):
-            key = (index, compression)
             async with self._new_part:
-                await asyncio.wait_for(self._new_part.wait_for(lambda key=key: key in self._parts), timeout)
-            yield await asyncio.shield(self._parts[key])
+                await asyncio.wait_for(self._new_part.wait_for(lambda index=index: index in self._averaged), timeout)
+            yield await self.serialized(index, self._averaged[index], compression)
 
 
 def valid_first_part(value: float, num_parts: int) -> int | None:

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 
 import psutil
 
@@ -36,10 +37,11 @@ def parse_ss(output: str) -> dict[tuple[str, str, int], tuple[int, int]]:
 
 
 class TransportMeter:
-    """Cumulative TCP bytes sent and received by the p2pd daemons under this process."""
+    """Cumulative TCP bytes sent and received by the p2pd daemons under this process, plus its direct lanes'."""
 
-    def __init__(self, root_pid: int | None = None) -> None:
+    def __init__(self, root_pid: int | None = None, lanes: Callable[[], tuple[float, float]] | None = None) -> None:
         self.root_pid = os.getpid() if root_pid is None else root_pid
+        self.lanes = lanes  # direct lanes live one round each: they count their own bytes when they close
         self.available = shutil.which("ss") is not None
         self._last: dict[tuple[str, str, int], tuple[int, int]] = {}
         self.sent = 0
@@ -74,4 +76,5 @@ class TransportMeter:
             self.sent += max(0, sent - last_sent)
             self.received += max(0, received - last_received)
         self._last = current
-        return self.sent, self.received
+        lane_sent, lane_received = self.lanes() if self.lanes is not None else (0, 0)
+        return self.sent + int(lane_sent), self.received + int(lane_received)

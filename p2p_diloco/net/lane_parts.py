@@ -1,0 +1,209 @@
+"""One all-reduce's parts over a direct lane (`p2p_diloco.net.direct`): the sender's side and the reducer's side.
+
+The same rules hold as over libp2p streams: a reducer bans a sender whose parts stop before the last one (so every
+member discards the round), a sender that loses reply parts asks the reducer for them again over libp2p
+(`rpc_repair_parts`), and every member receives the same bits from a reducer. Plain fp32 parts travel as their raw
+little-endian values, received into fresh buffers and used in place; compressed parts as hivemind's serialized
+`runtime_pb2.Tensor`, decoded off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import torch
+from hivemind.averaging.partition import AllreduceException, BannedException
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MSGPackSerializer, get_logger
+
+from p2p_diloco.net.direct import PROTOBUF, RAW_FP32, DirectLanes, Lane, LaneError
+
+logger = get_logger(__name__)
+
+PROTOBUF_SLACK = 4096
+"""Bytes a compressed part may exceed its raw size by (a codec's header on a tiny part)."""
+READ_AHEAD = 2
+"""Parts a reducer reads from a lane ahead of the one it is reducing."""
+TICKET_S = 5.0
+"""Longest wait for a reducer's ticket (it may still be entering the round)."""
+
+
+class LanePartsMixin:
+    """The lane half of `StrictAllReduceRunner` (which provides the attributes used here)."""
+
+    lanes: DirectLanes | None
+
+    # ----- as a sender -------------------------------------------------------------------------------------------
+    async def _open_lane(self, peer_id: PeerID) -> Lane | None:
+        """A lane to reducer `peer_id` for this round, or None to send over libp2p."""
+        peer = peer_id.to_base58()
+        if self.lanes is None or not self.lanes.reachable(peer):
+            return None
+        try:
+            request = averaging_pb2.AveragingData(group_id=self.group_id)
+            stub = self._get_peer_stub(peer_id)
+            reply = await asyncio.wait_for(stub.rpc_direct_ticket(request), TICKET_S)
+            offer = MSGPackSerializer.loads(reply.metadata) if reply.metadata else None
+        except Exception as error:  # an island without lanes, or one busy elsewhere: libp2p still works
+            logger.info(f"no lane ticket from {peer}: {error!r}")
+            offer = None
+        if offer is None:
+            self.lanes.mark_unreachable(peer)
+            return None
+        return await self.lanes.connect(peer, offer)
+
+    async def _communicate_over_lane(self, lane: Lane, peer_id: PeerID, peer_index: int) -> int:
+        """Send our parts for reducer `peer_id` over `lane` and register its replies; the parts registered."""
+        expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        self.byte_counters.count_lane()
+        raw = self._compression_type == runtime_pb2.CompressionType.NONE
+        parts = self.tensor_part_container.get_raw_input_parts(peer_index) if raw else None
+        sending = asyncio.create_task(self._send_over_lane(lane, peer_index, parts))
+        try:
+            if self.should_delay_results(self.peer_id):
+                await sending
+            received = await self._receive_over_lane(lane, peer_id, peer_index, expected, parts)
+            await sending  # parts that never reached the reducer fail the round for every member
+        finally:
+            if not sending.done():
+                sending.cancel()
+        return received
+
+    async def _send_over_lane(self, lane: Lane, peer_index: int, parts: tuple[torch.Tensor, ...] | None) -> None:
+        if parts is not None:
+            for part_index, part in enumerate(parts):
+                await self._send_frame(lane, part_index, RAW_FP32, _raw_bytes(part), self.weight, self.reducer_timeout)
+            return
+        part_index = 0
+        async for serialized in self.tensor_part_container.iterate_input_parts_for(peer_index):
+            payload = serialized.SerializeToString()
+            await self._send_frame(lane, part_index, PROTOBUF, payload, self.weight, self.reducer_timeout)
+            part_index += 1
+
+    async def _send_frame(self, lane: Lane, index: int, kind: int, payload, weight: float, timeout: float | None):
+        sent = await asyncio.wait_for(lane.send(index, kind, payload, weight), timeout)
+        self.byte_counters.add(sent=sent)
+        if self.link is not None:
+            await self.link.send(sent)
+
+    async def _receive_over_lane(
+        self,
+        lane: Lane,
+        peer_id: PeerID,
+        peer_index: int,
+        expected: int,
+        parts: tuple[torch.Tensor, ...] | None,
+    ) -> int:
+        part_index = 0
+        try:
+            while part_index < expected:
+                numel = None if parts is None else parts[part_index].numel()
+                limit = 4 * numel if numel is not None else self._max_compressed_bytes()
+                kind, _, payload = await asyncio.wait_for(lane.receive(part_index, limit), self.reducer_timeout)
+                self.byte_counters.add(received=len(payload))
+                averaged, _ = await self._decode_lane_part(kind, payload, numel)
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+        except (LaneError, OSError, asyncio.TimeoutError) as error:
+            logger.info(f"direct lane from reducer {peer_id} broke after {part_index} parts: {error!r}")
+        return part_index
+
+    def _max_compressed_bytes(self) -> int:
+        return self.tensor_part_container.part_size_bytes * 4 + PROTOBUF_SLACK
+
+    async def _decode_lane_part(self, kind: int, payload: torch.Tensor, numel: int | None) -> tuple[torch.Tensor, int]:
+        """A part's values (and its compression) from a frame's payload; a malformed one is a LaneError."""
+        raw = self._compression_type == runtime_pb2.CompressionType.NONE
+        if kind != (RAW_FP32 if raw else PROTOBUF):
+            raise LaneError(f"a part of kind {kind} in a round whose codec is {self._compression_type}")
+        if raw:
+            if numel is None or payload.numel() != 4 * numel:
+                raise LaneError(f"a part of {payload.numel()} bytes, expected {None if numel is None else 4 * numel}")
+            return payload.view(torch.float32), runtime_pb2.CompressionType.NONE
+
+        def decode() -> tuple[torch.Tensor, int]:
+            message = runtime_pb2.Tensor.FromString(payload.numpy().tobytes())
+            return deserialize_torch_tensor(message).reshape(-1), message.compression
+
+        try:
+            values, compression = await asyncio.get_running_loop().run_in_executor(None, decode)
+        except Exception as error:  # a peer's bytes: whatever they fail with costs that peer only
+            raise LaneError(f"a part that does not decode: {error!r}") from None
+        if numel is not None and values.numel() != numel:
+            raise LaneError(f"a part of {values.numel()} values, expected {numel}")
+        return values, compression
+
+    # ----- as a reducer ------------------------------------------------------------------------------------------
+    async def reduce_from_lane(self, lane: Lane, sender_index: int) -> None:
+        """Reduce one sender's parts arriving over `lane` and send it the averaged parts."""
+        peer_id = self.sender_peer_ids[sender_index]
+        if self._future.done():
+            return
+        self.active_senders.add(peer_id)
+        if len(self.active_senders) == len(self.sender_peer_ids):
+            self.all_senders_started.set()
+        delay = self.should_delay_results(peer_id)
+        held: list[tuple[int, int, object]] = []
+        shapes = [part.shape for part in self.parts_for_local_averaging]
+        arrived: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
+        reading = asyncio.create_task(self._read_lane_parts(lane, shapes, arrived))
+        part_index = 0
+        try:
+            while part_index < self.tensor_part_reducer.num_parts:
+                item = await arrived.get()
+                if isinstance(item, BaseException):
+                    raise item
+                kind, weight, values, compression = item
+                try:
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, values.view(shapes[part_index]), weight=weight
+                    )
+                except BannedException:
+                    break
+                part_index += 1
+                if kind == RAW_FP32:
+                    await self.served.record(part_index - 1, averaged)
+                    reply = _raw_bytes(averaged)
+                else:
+                    reply = (await self.served.serialized(part_index - 1, averaged, compression)).SerializeToString()
+                if delay:
+                    held.append((part_index - 1, kind, reply))
+                else:
+                    await self._send_frame(lane, part_index - 1, kind, reply, 0.0, self.sender_timeout)
+            for index, kind, reply in held:
+                await self._send_frame(lane, index, kind, reply, 0.0, self.sender_timeout)
+            # The sender closes the lane once it holds every result, also those it asked again for over libp2p:
+            # until then this round's replies are not all out (see StrictAllReduceRunner.wait_for_replies).
+            await asyncio.wait_for(lane.wait_closed(), self.sender_timeout)
+        except (LaneError, OSError, asyncio.TimeoutError, AllreduceException) as error:
+            logger.info(f"direct lane to sender {peer_id} ended after {part_index} parts: {error!r}")
+        finally:
+            reading.cancel()
+            self.byte_counters.add_wire(lane.bytes_sent, lane.bytes_received)
+            self._sender_stream_closed()
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(peer_id)
+
+    async def _read_lane_parts(self, lane: Lane, shapes: list[torch.Size], arrived: asyncio.Queue) -> None:
+        """Read and decode a sender's parts ahead of the reduction, into READ_AHEAD + 2 rotating buffers (a part's
+        buffer is free again once the reduction has taken the part that follows it)."""
+        largest = max((shape.numel() for shape in shapes), default=0)
+        buffers = [torch.empty(4 * largest + PROTOBUF_SLACK, dtype=torch.uint8) for _ in range(READ_AHEAD + 2)]
+        try:
+            for part_index, shape in enumerate(shapes):
+                numel = shape.numel()
+                frame = lane.receive(part_index, 4 * numel + PROTOBUF_SLACK, into=buffers[part_index % len(buffers)])
+                kind, weight, payload = await asyncio.wait_for(frame, self.sender_timeout)
+                self.byte_counters.add(received=len(payload))
+                values, compression = await self._decode_lane_part(kind, payload, numel)
+                await arrived.put((kind, weight if math.isfinite(weight) else 0.0, values, compression))
+        except (LaneError, OSError, asyncio.TimeoutError) as error:
+            await arrived.put(error)
+
+
+def _raw_bytes(values: torch.Tensor) -> memoryview:
+    """A contiguous float32 tensor's bytes, without a copy."""
+    return memoryview(values.detach().contiguous().view(-1).numpy()).cast("B")
