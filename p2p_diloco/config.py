@@ -26,21 +26,17 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-# TCP only: p2pd's QUIC (quic-v1; the older /quic is not supported) lost stream messages between two hosts here:
-# of 30 state downloads of 176 KB, 2 arrived whole, 5 truncated, 23 timed out, against 30 of 30 over TCP.
-# Add "/ip4/0.0.0.0/udp/0/quic-v1" to --host-maddrs to try it anyway.
-LISTEN_EVERYWHERE = ("/ip4/0.0.0.0/tcp/0",)
-"""Every interface, TCP, on a port the system picks."""
+# TCP only: p2pd's QUIC (quic-v1) lost stream messages between two hosts here: of 30 state downloads of 176 KB,
+# 2 arrived whole, against 30 of 30 over TCP. Add "/ip4/0.0.0.0/udp/0/quic-v1" to --host-maddrs to try it anyway.
+LISTEN_EVERYWHERE = ("/ip4/0.0.0.0/tcp/0",)  # every interface, TCP, on a port the system picks
 
 
 @dataclass
 class ModelConfig:
-    """The model every island of a run must share: the built-in GPT (shaped by the fields below), a transformers
-    causal LM, or your own nn.Module."""
+    """The model every island of a run shares: the built-in GPT, a transformers causal LM, or your nn.Module."""
 
     kind: str = "gpt"
-    """'gpt': the built-in byte-level GPT; 'hf': a transformers causal LM built from `config`; 'module': the
-    nn.Module that `factory` returns."""
+    """'gpt': the built-in byte-level GPT; 'hf': a transformers causal LM from `config`; 'module': `factory`'s."""
     config: str | None = None
     """kind 'hf': a local transformers config.json, or a folder holding one (never downloaded)."""
     init_from: str | None = None
@@ -170,11 +166,9 @@ class NetworkConfig:
     relay_port: int = 0
     """TCP port this island serves relay control on when it is reachable (0: any free port)."""
     direct_lanes: bool = True
-    """Send all-reduce parts straight over TCP to islands this one can reach, outside libp2p (several times faster;
-    opened by a ticket sent over libp2p, sealed with AES-GCM); islands it cannot reach still get them over libp2p."""
+    """Send all-reduce parts over TCP straight to islands it can reach (AES-GCM sealed), the rest over libp2p."""
     direct_port: int = 0
-    """TCP port for direct lanes, on the addresses this island listens on (0: any free port; open it in a firewall
-    with --direct-port to let others reach it directly)."""
+    """TCP port of the direct lanes (0: any free port; fix it and open it to be reached directly)."""
     peers_file: str | None = None
     """Keep the multiaddrs of live peers here; a restart joins through them as well as --initial-peers."""
     rebootstrap_s: float = 15.0

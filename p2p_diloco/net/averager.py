@@ -38,7 +38,8 @@ from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
-from p2p_diloco.net.repair import ServedParts, valid_first_part
+from p2p_diloco.net.repair import ServedParts
+from p2p_diloco.net.round_service import RoundServiceMixin
 from p2p_diloco.net.state_transfer import verified_download
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals, keep_freed_memory
 from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
@@ -48,7 +49,7 @@ logger = get_logger(__name__)
 StateProvider = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
 
 
-class PseudoGradientAverager(DecentralizedAverager):
+class PseudoGradientAverager(RoundServiceMixin, DecentralizedAverager):
     """DecentralizedAverager over one flat pseudo-gradient buffer, all-or-nothing, serving the outer state."""
 
     def __init__(
@@ -92,12 +93,6 @@ class PseudoGradientAverager(DecentralizedAverager):
         ignore_group_stop_signals()
         keep_freed_memory()
         super().run()
-
-    def _lanes(self) -> DirectLanes | None:
-        """This process's direct lanes (None when they are off)."""
-        if self._lanes_wanted and self._direct_lanes is None:
-            self._direct_lanes = DirectLanes(self._direct_port)
-        return self._direct_lanes
 
     async def _shutdown(self, timeout: float | None) -> None:
         if self._direct_lanes is not None:
@@ -246,44 +241,6 @@ class PseudoGradientAverager(DecentralizedAverager):
             return
         async for response in super().rpc_aggregate_part(stream, context):
             yield response
-
-    async def rpc_direct_ticket(
-        self, request: averaging_pb2.AveragingData, context: P2PContext
-    ) -> averaging_pb2.DownloadData:
-        """Hand a sender of a round this island reduces a one-time ticket for a direct lane (empty: use libp2p)."""
-        lanes = self._lanes()
-        if lanes is None or not self.gate.member(context.remote_id.to_base58()):
-            return averaging_pb2.DownloadData()
-        if request.group_id not in self._running_groups:  # the leader's word may reach us after a sender's
-            await asyncio.wait_for(self._pending_groups_registered.wait(), self.next_chunk_timeout)
-        future = self._running_groups.get(request.group_id)
-        if future is None:
-            return averaging_pb2.DownloadData()
-        runner = await asyncio.wait_for(asyncio.shield(future), self.next_chunk_timeout)
-        reduces = runner.tensor_part_reducer.num_parts > 0
-        if not reduces or context.remote_id not in runner.sender_peer_ids:
-            return averaging_pb2.DownloadData()
-        maddrs = await self._p2p.get_visible_maddrs()
-        sender_index = runner.sender_peer_ids.index(context.remote_id)
-        offer = await lanes.offer(runner, sender_index, maddrs, ttl=self._allreduce_timeout or self.next_chunk_timeout)
-        return averaging_pb2.DownloadData(metadata=self.serializer.dumps(offer) if offer else b"")
-
-    async def rpc_repair_parts(
-        self, request: averaging_pb2.AveragingData, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """Send a member of this island's latest round the averaged parts its reply stream lost."""
-        served = self._served
-        if served is None or request.group_id != served.group_id or context.remote_id not in served.senders:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
-            return
-        first = valid_first_part(request.weight, served.num_parts)  # `weight` carries the first missing part
-        if first is None:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        logger.info(f"sending {context.remote_id} parts {first}.. of its round again (its reply stream broke)")
-        async for part in served.resend(first, request.tensor_part.compression, self.next_chunk_timeout):
-            self.byte_counters.add(sent=part.ByteSize())
-            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=part)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext

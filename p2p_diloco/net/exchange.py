@@ -108,9 +108,7 @@ class GossipExchange:
             direct_lanes=direct_lanes,
             direct_port=direct_port,
             target_group_size=target_group_size,
-            # hivemind assembles a group of one at once, skipping the grace window; the island merging
-            # alone is the timeout path instead.
-            min_group_size=max(2, quorum),
+            min_group_size=max(2, quorum),  # hivemind starts a group of one at once: alone is our timeout path
             min_matchmaking_time=min_matchmaking_time,
             request_timeout=request_timeout,
             allreduce_timeout=allreduce_timeout,
@@ -125,8 +123,7 @@ class GossipExchange:
         # Matchmaking refuses islands whose schema differs, so naming the codec in it keeps codecs apart.
         self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec, PROTOCOL_VERSION)
         _start_keeping_sigint(self.averager)
-        self.min_matchmaking_time = min_matchmaking_time
-        self.size = size
+        self.min_matchmaking_time, self.size = min_matchmaking_time, size
         self._schema_tag: int | None = None
         self.result_timeout = allreduce_timeout + RESULT_MARGIN_S
 
@@ -151,8 +148,7 @@ class GossipExchange:
         another island leads; `timeout` bounds the whole search when a quorum above one is required.
         """
         sent0, recv0 = self.averager.byte_counters.read()
-        repairs0 = self.averager.byte_counters.repairs()
-        lanes0 = self.averager.byte_counters.lanes()
+        repairs0, lanes0 = self.averager.byte_counters.repairs(), self.averager.byte_counters.lanes()
         start = time.monotonic()
         if schema_tag != self._schema_tag:
             self.averager.set_schema_tag(schema_tag)
