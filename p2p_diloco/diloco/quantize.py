@@ -59,6 +59,15 @@ def _poison_non_finite_blocks(values: torch.Tensor, absmax: torch.Tensor, block_
     return torch.where(bad, torch.full_like(absmax, float("nan")), absmax)
 
 
+def level_indices(values: torch.Tensor, midpoints: torch.Tensor) -> torch.Tensor:
+    """Index of the nearest level for each value, as uint8, given the ascending midpoints between the levels: what
+    torch.bucketize(values, midpoints) gives, 2-3x faster for the few levels of a 2- or 4-bit code."""
+    indices = torch.zeros(values.shape, dtype=torch.uint8)
+    for midpoint in midpoints.tolist():
+        indices += values > midpoint
+    return indices
+
+
 class Quantizer:
     """One codec's format: `decode(encode(values))` is what peers receive for flat fp32 `values`."""
 
@@ -236,8 +245,8 @@ class Int4NormalFloat(Quantizer):
         blocks = padded_blocks(values, self.block_size)
         absmax = blocks.abs().amax(dim=1)
         scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        indices = torch.bucketize(blocks / scale[:, None], self._midpoints, out_int32=True).view(-1)
-        indices = indices[: numel + (numel & 1)].to(torch.uint8)  # padding holds zeros; keep one to pair with
+        indices = level_indices(blocks / scale[:, None], self._midpoints).view(-1)
+        indices = indices[: numel + (numel & 1)]  # padding holds zeros; keep one to pair with
         packed = (indices[0::2] << 4) | indices[1::2]
         absmax = torch.where(torch.isfinite(absmax), absmax, float("nan"))  # amax already propagates NaN
         return absmax.numpy().tobytes() + packed.numpy().tobytes()
@@ -273,6 +282,7 @@ class Int2Gaussian(Quantizer):
     name, block_size = "int2", 128
     bits_per_value = 2.0 + 32.0 / 128
     _midpoints = (INT2_LEVELS[1:] + INT2_LEVELS[:-1]) / 2
+    _quads = INT2_LEVELS[torch.stack([(torch.arange(256) >> shift) & 3 for shift in (6, 4, 2, 0)], dim=1)]
 
     def code_table(self) -> torch.Tensor:
         return INT2_LEVELS
@@ -284,8 +294,8 @@ class Int2Gaussian(Quantizer):
         counts[-1] = numel - (blocks.shape[0] - 1) * self.block_size  # the padding of the last block is not data
         rms = (blocks.square().sum(dim=1) / counts).sqrt()
         scale = torch.where(rms > 0, rms, torch.ones_like(rms))
-        codes = torch.bucketize(blocks / scale[:, None], self._midpoints, out_int32=True).view(-1)[:numel]
-        codes = torch.nn.functional.pad(codes, (0, -numel % 4)).to(torch.uint8).view(-1, 4)
+        codes = level_indices(blocks / scale[:, None], self._midpoints).view(-1)[:numel]
+        codes = torch.nn.functional.pad(codes, (0, -numel % 4)).view(-1, 4)
         packed = (codes[:, 0] << 6) | (codes[:, 1] << 4) | (codes[:, 2] << 2) | codes[:, 3]
         rms = _poison_non_finite_blocks(values, rms, self.block_size)
         return rms.numpy().tobytes() + packed.numpy().tobytes()
@@ -296,8 +306,12 @@ class Int2Gaussian(Quantizer):
         packed, end = read_values(payload, offset, (numel + 3) // 4, torch.uint8)
         if end != len(payload):
             raise CodecMismatchError(f"int2 payload of {len(payload)} bytes for {numel} values")
-        codes = torch.stack([(packed >> shift) & 3 for shift in (6, 4, 2, 0)], dim=1).view(-1)[:numel]
-        return INT2_LEVELS[codes.long()] * rms.repeat_interleave(block_size)[:numel]
+        levels = self._quads.index_select(0, packed.to(torch.int32)).view(-1)  # a byte's four levels at once
+        if levels.numel() != blocks * block_size:
+            padded = levels.new_zeros(blocks * block_size)
+            padded[: min(numel, levels.numel())] = levels[:numel]
+            levels = padded
+        return levels.view(blocks, block_size).mul_(rms[:, None]).view(-1)[:numel]
 
 
 class TopKSparse(Quantizer):
