@@ -308,3 +308,18 @@ def test_nan_from_a_peer_is_never_applied(members: Members) -> None:
     results = [members.result(process) for process in members.processes]
     assert all(result["merged"] is None for result in results)
     assert results[0]["restored"]
+
+
+def test_parts_are_sized_for_the_group_alike_on_every_member() -> None:
+    from p2p_diloco.net.codecs import get_compression
+    from p2p_diloco.net.parts import MAX_PART_VALUES, MIN_PART_VALUES, PARTS_PER_REDUCER, part_size_for
+
+    fp32 = get_compression("fp32")
+    assert part_size_for([torch.zeros(1000)], 4, fp32) == 4 * MIN_PART_VALUES  # small vectors: hivemind's 512 KiB
+    assert part_size_for([torch.zeros(10**9)], 2, fp32) == 4 * MAX_PART_VALUES  # capped for slow links
+    middle = 4 * PARTS_PER_REDUCER * (4 * MIN_PART_VALUES)  # parts of 4x the smallest in a group of 4
+    assert part_size_for([torch.zeros(middle)], 4, fp32) == 4 * (4 * MIN_PART_VALUES)
+    # Counted after compression, as hivemind's part_size_bytes is: an int8 part holds as many values as fp32's.
+    int8 = get_compression("int8")
+    values = part_size_for([torch.zeros(10**8)], 4, int8) / (4 * int8.estimate_compression_ratio(None))
+    assert values == pytest.approx(part_size_for([torch.zeros(10**8)], 4, fp32) / 4, rel=1e-3)

@@ -38,6 +38,7 @@ from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
+from p2p_diloco.net.parts import part_size_for
 from p2p_diloco.net.repair import ServedParts
 from p2p_diloco.net.round_service import RoundServiceMixin
 from p2p_diloco.net.state_transfer import verified_download
@@ -73,6 +74,7 @@ class PseudoGradientAverager(RoundServiceMixin, DecentralizedAverager):
         self._lanes_wanted = direct_lanes and DirectLanes.enabled_by_env()
         self._direct_port = direct_port
         self._direct_lanes: DirectLanes | None = None
+        self._adaptive_parts = "part_size_bytes" not in kwargs
         self._state_provider = state_provider
         self._staleness_rule = staleness_rule
         self.gate = gate or Gate(None, ban_rounds=0)
@@ -127,6 +129,8 @@ class PseudoGradientAverager(RoundServiceMixin, DecentralizedAverager):
         if caps is not None:
             kwargs["weight"] = min(kwargs.get("weight", 1.0), caps.pop(None))
             kwargs["weight_caps"] = caps
+        if self._adaptive_parts:
+            kwargs["part_size_bytes"] = part_size_for(tensors, len(group_info.peer_ids), kwargs["compression"])
         backup = self._backup_of(tensors)
         runner = StrictAllReduceRunner(
             p2p=self._p2p,

@@ -25,8 +25,8 @@ from p2p_diloco.net.record_schema import MAX_EXPIRATION_S, problem
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 2
-"""The wire protocol of p2p-diloco islands: records, gathered metadata, averaging schema, state transfer.
+PROTOCOL_VERSION = 3
+"""The wire protocol of p2p-diloco islands: records, gathered metadata, averaging schema, parts, state transfer.
 Islands of different protocol versions never average and refuse each other at join."""
 RUNS_KEY = "p2p-diloco.runs"
 """DHT key where islands register their run (one subkey per run id): what `p2p-diloco swarms` lists."""
