@@ -320,6 +320,8 @@ def test_parts_are_sized_for_the_group_alike_on_every_member() -> None:
     middle = 4 * PARTS_PER_REDUCER * (4 * MIN_PART_VALUES)  # parts of 4x the smallest in a group of 4
     assert part_size_for([torch.zeros(middle)], 4, fp32) == 4 * (4 * MIN_PART_VALUES)
     # Counted after compression, as hivemind's part_size_bytes is: an int8 part holds as many values as fp32's.
-    int8 = get_compression("int8")
-    values = part_size_for([torch.zeros(10**8)], 4, int8) / (4 * int8.estimate_compression_ratio(None))
+    from hivemind.compression import CompressionInfo
+
+    int8, vector = get_compression("int8"), torch.zeros(10**8)
+    values = part_size_for([vector], 4, int8) / (4 * int8.estimate_compression_ratio(CompressionInfo.from_tensor(vector)))
     assert values == pytest.approx(part_size_for([torch.zeros(10**8)], 4, fp32) / 4, rel=1e-3)
