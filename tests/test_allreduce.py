@@ -323,5 +323,6 @@ def test_parts_are_sized_for_the_group_alike_on_every_member() -> None:
     from hivemind.compression import CompressionInfo
 
     int8, vector = get_compression("int8"), torch.zeros(10**8)
-    values = part_size_for([vector], 4, int8) / (4 * int8.estimate_compression_ratio(CompressionInfo.from_tensor(vector)))
-    assert values == pytest.approx(part_size_for([torch.zeros(10**8)], 4, fp32) / 4, rel=1e-3)
+    ratio = int8.estimate_compression_ratio(CompressionInfo.from_tensor(vector))
+    values = part_size_for([vector], 4, int8) / (4 * ratio)
+    assert values == pytest.approx(part_size_for([vector], 4, fp32) / 4, rel=1e-3)
