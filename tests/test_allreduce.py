@@ -326,3 +326,18 @@ def test_parts_are_sized_for_the_group_alike_on_every_member() -> None:
     ratio = int8.estimate_compression_ratio(CompressionInfo.from_tensor(vector))
     values = part_size_for([vector], 4, int8) / (4 * ratio)
     assert values == pytest.approx(part_size_for([vector], 4, fp32) / 4, rel=1e-3)
+
+
+def test_parts_shrink_to_the_slowest_members_measured_rate_and_ignore_garbage() -> None:
+    from p2p_diloco.net.codecs import get_compression
+    from p2p_diloco.net.parts import MIN_PART_VALUES, PART_SECONDS, part_bytes_per_window, part_size_for
+
+    fp32, vector = get_compression("fp32"), torch.zeros(10**8)
+    fast = part_size_for([vector], 2, fp32)
+    slow_link = part_bytes_per_window(bytes_sent=20e6, seconds=3.4)  # 100 Mbit/s
+    assert slow_link == int(20e6 / 3.4 * PART_SECONDS)
+    assert part_size_for([vector], 2, fp32, [None, 10**12, slow_link]) == 4 * MIN_PART_VALUES < fast
+    assert part_size_for([vector], 2, fp32, [8 * MIN_PART_VALUES * 4]) == 8 * MIN_PART_VALUES * 4
+    for garbage in (["x"], [True], [-5], [float("nan")], [0], [{}]):
+        assert part_size_for([vector], 2, fp32, garbage) == fast, garbage
+    assert part_bytes_per_window(0, 1.0) is None and part_bytes_per_window(10, 0.0) is None

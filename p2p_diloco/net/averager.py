@@ -38,6 +38,7 @@ from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
+from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_size_for
 from p2p_diloco.net.repair import ServedParts
 from p2p_diloco.net.round_service import RoundServiceMixin
@@ -130,7 +131,8 @@ class PseudoGradientAverager(RoundServiceMixin, DecentralizedAverager):
             kwargs["weight"] = min(kwargs.get("weight", 1.0), caps.pop(None))
             kwargs["weight_caps"] = caps
         if self._adaptive_parts:
-            kwargs["part_size_bytes"] = part_size_for(tensors, len(group_info.peer_ids), kwargs["compression"])
+            rates = [data.get(PART_GATHER_KEY) for data in members.values()]
+            kwargs["part_size_bytes"] = part_size_for(tensors, len(members), kwargs["compression"], rates)
         backup = self._backup_of(tensors)
         runner = StrictAllReduceRunner(
             p2p=self._p2p,

@@ -25,6 +25,8 @@ from p2p_diloco.net.averager import PseudoGradientAverager, StateProvider
 from p2p_diloco.net.codecs import schema_hash_with_codec
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S
+from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
+from p2p_diloco.net.parts import part_bytes_per_window
 from p2p_diloco.net.quiet_logs import quiet_hivemind
 from p2p_diloco.net.records import PROTOCOL_VERSION
 from p2p_diloco.timeouts import RESULT_MARGIN_S, STAGE_POLL_S, STEP_MARGIN_S
@@ -125,6 +127,7 @@ class GossipExchange:
         _start_keeping_sigint(self.averager)
         self.min_matchmaking_time, self.size = min_matchmaking_time, size
         self._schema_tag: int | None = None
+        self._part_bytes: int | None = None
         self.result_timeout = allreduce_timeout + RESULT_MARGIN_S
 
     @property
@@ -147,23 +150,22 @@ class GossipExchange:
         The island leads a group for `grace_s` seconds (islands that arrive meanwhile join it), or joins a group
         another island leads; `timeout` bounds the whole search when a quorum above one is required.
         """
-        sent0, recv0 = self.averager.byte_counters.read()
-        repairs0, lanes0 = self.averager.byte_counters.repairs(), self.averager.byte_counters.lanes()
-        start = time.monotonic()
+        counters, start = self._counters(), time.monotonic()
         if schema_tag != self._schema_tag:
             self.averager.set_schema_tag(schema_tag)
             self._schema_tag = schema_tag
         values = pseudo_gradient.reshape(-1)
         if values.numel() > self.size:
             raise ValueError(f"pseudo-gradient of {values.numel()} values exceeds the exchange buffer of {self.size}")
-        with self.averager.get_tensors() as tensors:
-            # A smaller fragment travels in the front of the buffer; the zero tail averages to zero.
+        with self.averager.get_tensors() as tensors:  # a fragment travels in front; the zero tail averages to zero
             tensors[0][: values.numel()].copy_(values)
             tensors[0][values.numel() :].zero_()
         result = ExchangeResult(merged=None, grace_window_s=grace_s)
         gathered = None
         try:
             grace_s = max(grace_s, self.min_matchmaking_time)
+            if self._part_bytes is not None:  # how fast this island moved parts last time: sizes the group's parts
+                metadata = {**metadata, PART_GATHER_KEY: self._part_bytes}
             control = self.averager.step(
                 gather=metadata,
                 weight=weight,
@@ -181,17 +183,22 @@ class GossipExchange:
         if gathered and len(gathered) > 1:
             with self.averager.get_tensors() as tensors:
                 result.merged = tensors[0][: values.numel()].clone()
-            result.partners = {
-                peer.to_base58(): data for peer, data in gathered.items() if peer != self.averager.peer_id
-            }
+            ours = self.averager.peer_id
+            result.partners = {peer.to_base58(): data for peer, data in gathered.items() if peer != ours}
         elif result.error is None:
             result.error = "no partner within the window"
-        sent1, recv1 = self.averager.byte_counters.read()
         result.wait_s = time.monotonic() - start
-        result.bytes_sent, result.bytes_recv = sent1 - sent0, recv1 - recv0
-        result.streams_repaired = self.averager.byte_counters.repairs() - repairs0
-        result.lanes = self.averager.byte_counters.lanes() - lanes0
+        result.bytes_sent, result.bytes_recv, result.streams_repaired, result.lanes = (
+            after - before for after, before in zip(self._counters(), counters)
+        )
+        if result.merged is not None:
+            self._part_bytes = part_bytes_per_window(result.bytes_sent, result.wait_s - result.matchmaking_s)
         return result
+
+    def _counters(self) -> tuple[float, float, int, int]:
+        """The averager's running totals: payload bytes sent and received, mended reply streams, direct lanes."""
+        counters = self.averager.byte_counters
+        return (*counters.read(), counters.repairs(), counters.lanes())
 
     def load_state(
         self,
