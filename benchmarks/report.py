@@ -36,6 +36,10 @@ def quality(data: dict) -> str:
         for system in systems
     ]
     seeds = data.get("seeds", [data.get("settings", {}).get("seed", 0)])
+    ran = data.get("seeds_by_system", {})
+    for row in rows:
+        if ran.get(row[0], seeds) != seeds:
+            row[0] = f"{row[0]} (seeds {ran[row[0]]})"
     text = _table([f"system (mean of {len(seeds)} seed(s))", "final eval loss", "std", "min", "max"], rows)
     if losses.get("data_parallel") and losses.get("p2p_diloco"):
         text += f"\n\np2p-diloco / data-parallel: {losses['p2p_diloco'] / losses['data_parallel']:.4f}"

@@ -59,4 +59,7 @@ def table(results: dict) -> str:
             f"{row['wall_s']:>9.0f}"
         )
     lines.append(f"(mean over seeds {results.get('seeds', [0])}; tokens, steps and wall time of the first seed)")
+    partial = {name: seeds for name, seeds in results.get("seeds_by_system", {}).items() if seeds != results["seeds"]}
+    if partial:
+        lines.append("(" + "; ".join(f"{name}: seeds {seeds}" for name, seeds in partial.items()) + ")")
     return "\n".join(lines)

@@ -17,8 +17,9 @@ def spread(values: list[float]) -> dict[str, float]:
 
 
 def combine_seeds(seeds: list[int], finals: list[dict[str, float]], curves: list[dict[str, dict]]) -> dict:
-    """Per seed's final losses and curves into the means the report shows, keeping every seed's numbers."""
-    by_seed = {name: [final[name] for final in finals] for name in SYSTEMS}
+    """Per seed's final losses and curves into the means the report shows, keeping every seed's numbers (a system
+    run on only some seeds, as the references are, is the mean over the seeds it ran)."""
+    by_seed = {name: [final[name] for final in finals if name in final] for name in SYSTEMS}
     ratios = [final["p2p_diloco"] / final["data_parallel"] for final in finals]
     mean = {name: statistics.fmean(values) for name, values in by_seed.items()}
     return {
@@ -29,7 +30,8 @@ def combine_seeds(seeds: list[int], finals: list[dict[str, float]], curves: list
         "p2p_vs_dp_ratio": mean["p2p_diloco"] / mean["data_parallel"],
         "p2p_vs_dp_ratio_by_seed": ratios,
         "p2p_vs_dp_ratio_spread": spread(ratios),
-        "curves": {name: mean_curve([curve[name] for curve in curves]) for name in SYSTEMS},
+        "seeds_by_system": {name: [s for s, final in zip(seeds, finals) if name in final] for name in SYSTEMS},
+        "curves": {name: mean_curve([curve[name] for curve in curves if name in curve]) for name in SYSTEMS},
     }
 
 
