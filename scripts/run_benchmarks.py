@@ -1,6 +1,6 @@
 """Runs every benchmark script one after another, showing progress and timing each (`make bench`, `make bench-quick`).
 
-python scripts/run_benchmarks.py [--quick] [--out FOLDER] [--only NAME ...]
+python scripts/run_benchmarks.py [--quick] [--all] [--out FOLDER] [--only NAME ...]
 
 Writes `bench_times.json` into the result folder: `{mode, total_s, scripts: [{script, seconds, rc}]}`, so the
 time `make bench` takes is measured, not guessed. Stops at the first script that fails, as make did.
@@ -18,13 +18,16 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SKIPPED = {"report.py"}
+ON_REQUEST = {"attacks.py"}
+"""Run only with --all or --only: the attack table (23 swarms, about 11 minutes) measures defences, not speed or
+quality, and changes only when they do; BENCHMARKS.md keeps showing its last run, dated."""
 
 
-def scripts(only: list[str] | None) -> list[Path]:
-    """The benchmark scripts in name order, or the named ones."""
+def scripts(only: list[str] | None, everything: bool = False) -> list[Path]:
+    """The benchmark scripts in name order (with `everything`, also those run on request), or the named ones."""
     found = sorted(path for path in BENCHMARKS.glob("*.py") if path.name not in SKIPPED)
     if not only:
-        return found
+        return [path for path in found if everything or path.name not in ON_REQUEST]
     wanted = {name.removesuffix(".py") for name in only}
     unknown = wanted - {path.stem for path in found}
     if unknown:
@@ -45,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="each script's --quick mode")
     parser.add_argument("--out", type=Path, default=None, help="result folder (default: benchmarks/results)")
+    parser.add_argument("--all", action="store_true", help=f"also {', '.join(sorted(ON_REQUEST))} (make bench-all)")
     parser.add_argument("--only", nargs="+", default=None, help="run only these benchmarks (names without .py)")
     args = parser.parse_args(argv)
-    todo = scripts(args.only)
+    todo = scripts(args.only, args.all)
     times: list[dict] = []
     started = time.monotonic()
     for number, script in enumerate(todo, 1):
@@ -65,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "total_s": round(total, 1),
         "scripts": times,
+        "not_run": sorted(ON_REQUEST - {path.name for path in todo}),
     }
     if not args.only:
         (folder / "bench_times.json").write_text(json.dumps(record, indent=2) + "\n")
