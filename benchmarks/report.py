@@ -175,12 +175,27 @@ def bandwidth(data: dict) -> str:
                     ratio,
                     block.get("transport_ratio_vs_data_parallel", {}).get(codec),
                     block.get("tcp_over_payload", {}).get(codec),
+                    block.get("tcp_over_payload_steady", {}).get(codec),
                     block.get("final_eval_loss", {}).get(codec),
                 ]
             )
-    header = ["H", "codec", "payload: x less than data-parallel", "TCP: x less", "TCP / payload", "final eval loss"]
+    header = [
+        "H",
+        "codec",
+        "payload: x less than data-parallel",
+        "TCP: x less",
+        "TCP / payload",
+        "TCP / payload, steady state",
+        "final eval loss",
+    ]
     seeds = data.get("seeds")
-    return (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + _table(header, rows)
+    note = (
+        "\n\nTCP / payload counts from each island's start (join and first matchmaking included); the steady state "
+        "from the end of its first round."
+    )
+    return (
+        (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + _table(header, rows) + note
+    )
 
 
 def utilization(data: dict) -> str:

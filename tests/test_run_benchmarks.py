@@ -42,3 +42,26 @@ def test_every_benchmark_script_is_run_and_the_report_is_not() -> None:
     everything = [path.name for path in scripts(None, everything=True)]
     assert set(everything) == set(names) | {"attacks.py"}
     assert [path.name for path in scripts(["attacks"])] == ["attacks.py"]
+
+
+def test_the_report_marks_partial_seeds_steady_tcp_and_scripts_not_run() -> None:
+    import benchmarks_path  # noqa: F401
+    import report
+
+    quality = report.quality(
+        {
+            "seeds": [0, 1],
+            "seeds_by_system": {"data_parallel": [0, 1], "p2p_diloco": [0, 1], "isolated": [0], "single": [0]},
+            "final_eval_loss": {"data_parallel": 2.0, "p2p_diloco": 2.1, "isolated": 2.5, "single": 2.6},
+        }
+    )
+    assert "| isolated (seeds [0]) |" in quality and "| data_parallel |" in quality
+    assert "p2p-diloco / data-parallel: 1.0500" in quality
+    block = {
+        "ratio_vs_data_parallel": {"topk": 9000.0},
+        "tcp_over_payload": {"topk": 40.0},
+        "tcp_over_payload_steady": {"topk": 1.75},
+        "final_eval_loss": {"topk": 3.0},
+    }
+    bandwidth = report.bandwidth({"H": 100, "seeds": [0], "by_H": {"100": block}})
+    assert "| 100 | topk | 9000.0000 | - | 40.0000 | 1.7500 | 3.0000 |" in bandwidth
