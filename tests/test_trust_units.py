@@ -178,3 +178,28 @@ def test_a_donor_that_trained_on_is_probed_again_not_banned() -> None:
         )  # fmt: skip
 
     assert asyncio.run(run_lie()) is None and liars == ["a"]
+
+
+def test_a_joining_island_takes_an_honest_donor_ahead_of_its_records_but_not_a_liar_far_beyond() -> None:
+    """Islands re-announce every announce_every rounds, so honest donors run ahead of their records (in the chaos
+    benchmark, records at step 7 and donors at 10): the join takes them at once, and still bounds a liar."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import NetworkConfig
+    from p2p_diloco.island.checkpoints import donor_step_limit, swarm_state
+
+    records = {f"island-{i}": {"outer_step": step} for i, step in enumerate([7, 7, 6, 8])}
+    link = SimpleNamespace(peer_id="me", records=SimpleNamespace(read=lambda: records))
+    network = NetworkConfig(announce_every=4, state_wait_s=0.0)
+    bounds: list[int | None] = []
+
+    def download(max_step: int | None):
+        bounds.append(max_step)
+        donor_step = 10  # an honest donor three rounds past the records
+        return ({"outer_step": donor_step}, []) if max_step is None or donor_step <= max_step else None
+
+    state = swarm_state(link, network, SimpleNamespace(download=download))
+    assert state is not None and state[0]["outer_step"] == 10 and bounds == [12]
+    assert donor_step_limit([7, 7, 6, 8], 4) == 12 < 13  # a liar claiming 13 or more is still turned away
+    assert donor_step_limit([], 4) is None
+    assert donor_step_limit([3, 3], 1) == 5

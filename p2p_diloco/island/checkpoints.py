@@ -82,6 +82,15 @@ def refuse_if_all_corrupt(directory: str) -> None:
         )
 
 
+def donor_step_limit(steps: list[int], announce_every: int) -> int | None:
+    """The newest step an honest donor can be at when the run's records show `steps` (None: no records to judge by).
+
+    Each island re-announces at least every `announce_every` rounds, so it can be that many rounds (plus the one in
+    flight) past its record; a tighter bound turned honest donors away until their records caught up (5 s of a
+    restart in benchmarks/chaos.py). The records' robust clock keeps one liar's record from raising the bound."""
+    return robust_clock(steps) + max(1, announce_every) + 1 if steps else None
+
+
 def swarm_state(link: SwarmLink, network: NetworkConfig, resync: Resync) -> tuple[dict, list] | None:
     """The swarm's current state from a donor; while the run's records show islands past step 0 but no donor
     answers, keep asking for up to `state_wait_s` (a donor may be restarting), rather than start a second swarm."""
@@ -90,7 +99,7 @@ def swarm_state(link: SwarmLink, network: NetworkConfig, resync: Resync) -> tupl
     while True:
         others = _others(link)
         steps = [info["outer_step"] for info in others.values()]
-        state = resync.download(max_step=robust_clock(steps) + 1 if steps else None)
+        state = resync.download(max_step=donor_step_limit(steps, network.announce_every))
         if state is not None:
             return state
         newest = robust_clock(steps)
