@@ -37,7 +37,6 @@ from p2p_diloco.diloco.staleness import (
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
-from p2p_diloco.net.join_timeout import bound_join_requests
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_size_for
@@ -111,7 +110,6 @@ class PseudoGradientAverager(RoundServiceMixin, DecentralizedAverager):
 
     async def _step(self, **kwargs: Any) -> None:
         pace_lookups(self._matchmaking.group_key_manager, self.leader_poll_s)  # idempotent; Matchmaking exists now
-        bound_join_requests(self._matchmaking._p2p, self._matchmaking.request_timeout)  # idempotent too
         await super()._step(**kwargs)
 
     def get_current_state(self) -> tuple[dict[str, Any], Sequence[torch.Tensor], None]:
