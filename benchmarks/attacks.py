@@ -6,7 +6,7 @@ forged DHT record for the record attacks. "Defences off" is `--robust-merge none
 clock and state checks cannot be switched off, so for those rows both columns are the defended run. Also the
 cost of the defences on a clean swarm: seconds per round and final eval loss, robust merge on vs off.
 
-    python benchmarks/attacks.py            # every attack, the forged records in one swarm (about 9 minutes)
+    python benchmarks/attacks.py            # every attack, the forged records in one swarm (about 11 minutes)
     python benchmarks/attacks.py --quick    # two attacks (a NaN merge, a forged step record)
     python benchmarks/attacks.py --smoke    # one attack, defended only (used by the tests)
 """

@@ -12,7 +12,7 @@ Every system starts from the same initial weights (model seed), island / rank i 
 island's batch-order seed, and every eval uses the same held-out tail of the corpus. The systems run one after
 the other so that they do not compete for the CPU.
 
-    python benchmarks/quality.py            # default model, T=72, H=5, 3 seeds (references: 1); about 12 min
+    python benchmarks/quality.py            # default model, T=72, H=5, 3 seeds (references: 1); about 10 min
     python benchmarks/quality.py --quick    # default model, T=24, H=5, 1 seed (2 minutes)
     python benchmarks/quality.py --smoke    # tiny model, T=3, H=5 (used by the tests)
 
