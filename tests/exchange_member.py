@@ -65,6 +65,20 @@ def cut_reply_streams(after: int) -> None:
     StrictAllReduceRunner.reduce_from_lane = cut_lane
 
 
+def freeze_after_ticket() -> None:
+    """Fault injection: as a sender, take every reducer's lane ticket and then never connect, as an island frozen
+    (SIGSTOP) or killed between its ticket and its connect. Patched before the averager's process forks."""
+    import asyncio
+
+    from p2p_diloco.net.direct import DirectLanes
+
+    async def frozen(self, peer: str, offer) -> None:
+        print("TICKET", flush=True)
+        await asyncio.Event().wait()
+
+    DirectLanes.connect = frozen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, required=True)
@@ -77,11 +91,14 @@ def main() -> None:
     parser.add_argument("--outer-step", type=int, default=None, help="gather an island's staleness metadata")
     parser.add_argument("--schema-tag", type=int, default=None, help="exchange this fragment only")
     parser.add_argument("--cut-replies-after", type=int, help="fault: cut one sender's reply stream after N parts")
+    parser.add_argument("--freeze-after-ticket", action="store_true", help="fault: take lane tickets, never connect")
     parser.add_argument("--lanes", choices=["on", "off"], default="on", help="direct lanes, or libp2p streams only")
     args = parser.parse_args()
     setup_logging("info")
     if args.cut_replies_after is not None:
         cut_reply_streams(args.cut_replies_after)
+    if args.freeze_after_ticket:
+        freeze_after_ticket()
 
     dht = start_dht(
         initial_peers=args.initial_peers,

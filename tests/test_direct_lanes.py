@@ -6,6 +6,7 @@ import asyncio
 import json
 import socket
 import struct
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -212,3 +213,24 @@ def test_a_group_mixes_lanes_and_libp2p_and_ends_with_identical_bits(members: Me
         torch.testing.assert_close(torch.tensor(result["merged"]["first"]), mean[:4], atol=1e-6, rtol=0)
     assert len({json.dumps(result["merged"]) for result in results}) == 1, "members ended with different bits"
     assert [result["lanes"] for result in results] == [1, 1, 0]
+
+
+def test_a_sender_that_takes_a_ticket_and_never_connects_is_banned_before_the_timeout(
+    members: Members, tmp_path
+) -> None:
+    # A ticket counts its sender as started, so hivemind's missing-sender check no longer covers it: a sender frozen
+    # between its ticket and its connect must cost the round its sender timeout, not the 30 s all-reduce timeout.
+    size, seeds = 1_200_000, [71, 72, 73]  # every member reduces a share
+    logs = [tmp_path / "first.log", tmp_path / "second.log"]
+    first = members.start(seeds[0], size, 3, [], "--timeout", "12", log=logs[0])
+    second = members.start(seeds[1], size, 3, [first.maddr], "--timeout", "12", log=logs[1])
+    frozen = members.start(seeds[2], size, 3, [first.maddr], "--timeout", "12", "--freeze-after-ticket")
+    started = time.monotonic()
+    members.go()
+    results = [members.result(process) for process in (first, second)]
+    elapsed = time.monotonic() - started
+    assert all(result["merged"] is None and result["restored"] for result in results), results
+    assert elapsed < 25, f"the survivors waited {elapsed:.0f} s: the frozen sender was not banned"
+    frozen_id = frozen.maddr.split("/p2p/")[-1]
+    banned = [f"sender {frozen_id} took a lane ticket but never connected" in log.read_text() for log in logs]
+    assert all(banned), f"each survivor's reducer must name the frozen sender: {banned}"

@@ -21,7 +21,7 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer
 from hivemind.compression import deserialize_torch_tensor
-from hivemind.p2p import P2PDaemonError, PeerID
+from hivemind.p2p import P2PContext, P2PDaemonError, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
@@ -180,6 +180,8 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         container = self.tensor_part_container
         container.iterate_output_tensors = lambda: write_results_in_place(container)
         self.served = ServedParts(self.group_id, self.sender_peer_ids, self.tensor_part_reducer.num_parts)
+        self._senders_connected = {peer: asyncio.Event() for peer in self.sender_peer_ids if peer != self.peer_id}
+        self._connect_watches: set[asyncio.Task] = set()
 
     async def wait_for_replies(self, timeout: float) -> None:
         """Wait (at most `timeout` s) until every sender's stream to this reducer has closed, so that the bytes
@@ -301,6 +303,14 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
             self.byte_counters.add(sent=message.tensor_part.ByteSize())
             if self.link is not None:
                 await self.link.send(message.tensor_part.ByteSize())
+            yield message
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's handler for a sender's libp2p stream, noting that the sender connected (`expect_sender`)."""
+        self.note_sender_connected(context.remote_id)
+        async for message in super().rpc_aggregate_part(stream, context):
             yield message
 
     async def _accumulate_parts_streaming(

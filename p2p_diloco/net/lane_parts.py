@@ -19,7 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_logger
 
-from p2p_diloco.net.direct import PROTOBUF, RAW_FP32, DirectLanes, Lane, LaneError
+from p2p_diloco.net.direct import CONNECT_S, HELLO_S, PROTOBUF, RAW_FP32, DirectLanes, Lane, LaneError
 
 logger = get_logger(__name__)
 
@@ -137,9 +137,39 @@ class LanePartsMixin:
         return values, compression
 
     # ----- as a reducer ------------------------------------------------------------------------------------------
+    def note_sender_connected(self, peer_id: PeerID) -> None:
+        """Record that sender `peer_id` opened a lane or a libp2p stream to this reducer."""
+        connected = self._senders_connected.get(peer_id)
+        if connected is not None:
+            connected.set()
+
+    def expect_sender(self, peer_id: PeerID, hosts: int) -> None:
+        """Ban sender `peer_id`, just handed a ticket for a lane to one of `hosts` addresses, unless it opens that
+        lane or falls back to a libp2p stream in time.
+
+        The ticket counts the sender as started, so hivemind's missing-sender check no longer covers it: without
+        this, a sender that dies or freezes between its ticket and its connect holds the round until the
+        all-reduce timeout (measured in benchmarks/chaos.py: 60 s lost by every member of the group)."""
+        within = CONNECT_S * max(hosts, 1) + max(HELLO_S, self.sender_timeout or 0.0)
+        task = asyncio.create_task(self._ban_if_never_connected(peer_id, within))
+        self._connect_watches.add(task)
+        task.add_done_callback(self._connect_watches.discard)
+
+    async def _ban_if_never_connected(self, peer_id: PeerID, within: float) -> None:
+        connected = self._senders_connected.get(peer_id)
+        if connected is None:
+            return
+        try:
+            await asyncio.wait_for(connected.wait(), within)
+        except asyncio.TimeoutError:
+            if not self._future.done():
+                logger.warning(f"sender {peer_id} took a lane ticket but never connected within {within:.0f} s: banned")
+                await self._ban_sender(peer_id)
+
     async def reduce_from_lane(self, lane: Lane, sender_index: int) -> None:
         """Reduce one sender's parts arriving over `lane` and send it the averaged parts."""
         peer_id = self.sender_peer_ids[sender_index]
+        self.note_sender_connected(peer_id)
         if self._future.done():
             return
         self.active_senders.add(peer_id)

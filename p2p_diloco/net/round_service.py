@@ -51,6 +51,8 @@ class RoundServiceMixin:
         if len(runner.active_senders) == len(runner.sender_peer_ids):
             runner.all_senders_started.set()
         offer = await lanes.offer(runner, sender_index, maddrs, ttl=self._allreduce_timeout or self.next_chunk_timeout)
+        if offer is not None:
+            runner.expect_sender(context.remote_id, hosts=len(offer["hosts"]))
         return averaging_pb2.DownloadData(metadata=self.serializer.dumps(offer) if offer else b"")
 
     async def rpc_repair_parts(
