@@ -191,6 +191,9 @@ class NetworkConfig:
     """Rounds a peer that sent NaN/inf or a lying state is excluded for (0: never ban)."""
     target_group_size: int = 8
     """Largest averaging group; a full group starts at once, a smaller one after min_matchmaking_time."""
+    expect_rounds: int = 3
+    """A group starts as soon as every island seen in the last this many rounds (or announced since) has joined,
+    instead of waiting out the grace window for islands that stopped coming (0: always wait the window out)."""
     quorum: int = 1
     """K: contributions (own included) needed before merging; 1 never waits, the swarm size is synchronous."""
     grace: str = "adaptive"

@@ -124,6 +124,8 @@ def validate_config(config: PeerConfig) -> None:
             raise ConfigError(f"network.{name} must be smaller than network.min_matchmaking_time")
     if network.announce_every < 1 or not 0 <= network.direct_port < 65536 or not 0 <= network.relay_port < 65536:
         raise ConfigError("network.announce_every must be >= 1; direct_port and relay_port in 0..65535 (0: any)")
+    if network.expect_rounds < 0:
+        raise ConfigError(f"network.expect_rounds={network.expect_rounds} must be >= 0 (0: always wait the window out)")
     if network.quorum < 1 or network.target_group_size < network.quorum or network.wait_for_islands < 1:
         raise ConfigError("network.target_group_size must be >= network.quorum >= 1, network.wait_for_islands >= 1")
     for name, value, choices in (

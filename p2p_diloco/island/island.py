@@ -17,6 +17,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.diloco.error_feedback import ErrorFeedback
+from p2p_diloco.diloco.expected_group import ExpectedPartners, group_target
 from p2p_diloco.diloco.fragments import Fragment, fragment_for_step, fragment_layout
 from p2p_diloco.diloco.grace import GraceWindow
 from p2p_diloco.diloco.merge import is_finite
@@ -68,6 +69,7 @@ class Island(SwarmViewMixin):
         feedback = network.error_feedback or network.codec == "topk"  # topk leaves the most behind: always on
         self.error_feedback = {f.number: ErrorFeedback() for f in self.fragments} if feedback else None
         self.grace = GraceWindow.for_network(network)
+        self.expected = ExpectedPartners(network.expect_rounds)
         self.staleness_rule = StalenessRule(network.max_staleness, network.staleness_discount)
         self.link = SwarmLink(peer_id="")
         self.resync: Resync | None = None
@@ -210,7 +212,11 @@ class Island(SwarmViewMixin):
             grace_s=grace,
             timeout=timeout,
             schema_tag=contribution.fragment.label,
+            group_target=group_target(
+                self.expected.expected(self.swarm_view, self.peer_id), network.quorum, network.target_group_size
+            ),
         )
+        self.expected.observe(result.partners, time.time())
         fold_partner_steps(self.swarm_view, result.partners)
         if not result.partners:
             self.announces.hurry()

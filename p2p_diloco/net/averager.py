@@ -37,6 +37,7 @@ from p2p_diloco.diloco.staleness import (
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.group_target import GroupTargetMixin
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_size_for
@@ -51,7 +52,7 @@ logger = get_logger(__name__)
 StateProvider = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
 
 
-class PseudoGradientAverager(RoundServiceMixin, DecentralizedAverager):
+class PseudoGradientAverager(RoundServiceMixin, GroupTargetMixin, DecentralizedAverager):
     """DecentralizedAverager over one flat pseudo-gradient buffer, all-or-nothing, serving the outer state."""
 
     def __init__(

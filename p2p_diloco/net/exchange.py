@@ -127,6 +127,7 @@ class GossipExchange:
         _start_keeping_sigint(self.averager)
         self.min_matchmaking_time, self.size = min_matchmaking_time, size
         self._schema_tag: int | None = None
+        self.target_group_size = self._group_target = target_group_size
         self._part_bytes: int | None = None
         self.result_timeout = allreduce_timeout + RESULT_MARGIN_S
 
@@ -144,16 +145,22 @@ class GossipExchange:
         grace_s: float,
         timeout: float,
         schema_tag: int | None = None,
+        group_target: int | None = None,
     ) -> ExchangeResult:
         """One bounded round: the group's weighted average, or merged=None if no partner came or the round failed.
 
         The island leads a group for `grace_s` seconds (islands that arrive meanwhile join it), or joins a group
-        another island leads; `timeout` bounds the whole search when a quorum above one is required.
+        another island leads; `timeout` bounds the whole search when a quorum above one is required. A group this
+        island leads starts as soon as it has `group_target` members (None: the configured target_group_size).
         """
         counters, start = self._counters(), time.monotonic()
         if schema_tag != self._schema_tag:
             self.averager.set_schema_tag(schema_tag)
             self._schema_tag = schema_tag
+        group_target = group_target or self.target_group_size
+        if group_target != self._group_target:
+            self.averager.set_group_target(group_target)
+            self._group_target = group_target
         values = pseudo_gradient.reshape(-1)
         if values.numel() > self.size:
             raise ValueError(f"pseudo-gradient of {values.numel()} values exceeds the exchange buffer of {self.size}")

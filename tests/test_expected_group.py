@@ -1,0 +1,53 @@
+"""A group starts as soon as every island it can expect has joined, not after the whole grace window."""
+
+from __future__ import annotations
+
+import signal
+
+from conftest import LocalSwarm, wait_until
+
+from p2p_diloco.diloco.expected_group import ExpectedPartners, group_target
+
+
+def test_islands_missing_from_recent_rounds_and_silent_since_are_not_expected() -> None:
+    expected = ExpectedPartners(memory_rounds=2)
+    view = {"me": {"time": 0.0}, "a": {"time": 1.0}, "b": {"time": 1.0}, "c": {"time": 1.0}}
+    assert expected.expected(view, "me") is None  # too few rounds to tell who stopped coming
+    expected.observe(["a", "b", "c"], ended_at=10.0)
+    expected.observe(["a", "b"], ended_at=20.0)
+    assert expected.expected(view, "me") == 4  # c merged one round ago
+    expected.observe(["a", "b"], ended_at=30.0)
+    assert expected.expected(view, "me") == 3  # c missed two rounds and announced nothing since
+    view["c"] = {"time": 25.0}  # c announced after the oldest remembered round: woken or restarted
+    view["d"] = {"time": 26.0}  # a newcomer
+    view["e"] = {"time": float("nan")}  # a record that lies about its time is never expected on that account
+    view["f"] = {"time": True}
+    assert expected.expected(view, "me") == 5
+
+
+def test_the_target_keeps_a_pair_and_the_quorum_and_stays_under_the_cap() -> None:
+    assert group_target(None, quorum=1, cap=8) == 8
+    assert group_target(1, quorum=1, cap=8) == 2  # a target of one would turn every joiner away
+    assert group_target(3, quorum=5, cap=8) == 5
+    assert group_target(12, quorum=1, cap=8) == 8
+    assert group_target(4, quorum=1, cap=8) == 4
+    assert ExpectedPartners(memory_rounds=0).expected({"a": {"time": 1.0}}, "me") is None
+
+
+def test_survivors_of_a_killed_island_stop_waiting_out_the_window_for_it(local_swarm: LocalSwarm) -> None:
+    # A 6 s window: islands that wait it out are easy to tell from a group that starts once both survivors joined.
+    window = 6.0
+    local_swarm.bootstrap()
+    args = ["--outer-steps", "11", "--num-shards", "3", "--target-group-size", "3", "--grace", "fixed"]
+    args += ["--grace-s", str(window), "--expect-rounds", "2"]
+    peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
+    victim = peers[2]
+    wait_until(lambda: len(victim.records()) >= 2, 180, "two outer steps of the victim")
+    victim.process.send_signal(signal.SIGKILL)
+    for peer in peers[:2]:
+        assert peer.wait(300) == 0, peer.log_text()[-3000:]
+    for peer in peers[:2]:
+        last = peer.records()[-3:]
+        assert all(r["partners"] == 1 for r in last), [(r["outer_step"], r["partners"]) for r in last]
+        waits = [round(r["wait_s"], 2) for r in last]
+        assert max(waits) < window / 2, f"{peer.name} still waited out the {window} s window: {waits}"
