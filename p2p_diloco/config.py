@@ -26,9 +26,9 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-# TCP only: p2pd's QUIC (quic-v1) lost stream messages between two hosts here: of 30 state downloads of 176 KB,
-# 2 arrived whole, against 30 of 30 over TCP. Add "/ip4/0.0.0.0/udp/0/quic-v1" to --host-maddrs to try it anyway.
-LISTEN_EVERYWHERE = ("/ip4/0.0.0.0/tcp/0",)  # every interface, TCP, on a port the system picks
+# Every interface, TCP only: p2pd's QUIC (quic-v1) lost stream messages between two hosts here (2 of 30 state
+# downloads of 176 KB arrived whole, 30 of 30 over TCP). Add "/ip4/0.0.0.0/udp/0/quic-v1" to --host-maddrs to try it.
+LISTEN_EVERYWHERE = ("/ip4/0.0.0.0/tcp/0",)
 
 
 @dataclass
@@ -161,8 +161,7 @@ class NetworkConfig:
     """'auto': use a relay when nothing can dial this island, and serve as one when reachable; 'off': never;
     'only': always use a relay (and announce only the relayed address)."""
     client_mode: str = "auto"
-    """'auto': average in client mode (outbound connections only) when unreachable and no relay is left; 'on': always
-    (never lead a group, reduce or serve state); 'off': never."""
+    """'auto': client mode (outbound only; never lead, reduce, serve state) if unreachable, no relay; 'on'; 'off'."""
     relay_port: int = 0
     """TCP port this island serves relay control on when it is reachable (0: any free port)."""
     direct_lanes: bool = True
@@ -192,8 +191,7 @@ class NetworkConfig:
     target_group_size: int = 8
     """Largest averaging group; a full group starts at once, a smaller one after min_matchmaking_time."""
     expect_rounds: int = 3
-    """A group starts as soon as every island seen in the last this many rounds (or announced since) has joined,
-    instead of waiting out the grace window for islands that stopped coming (0: always wait the window out)."""
+    """Start a group once the islands seen in this many last rounds, or announced since, joined (0: wait it out)."""
     quorum: int = 1
     """K: contributions (own included) needed before merging; 1 never waits, the swarm size is synchronous."""
     grace: str = "adaptive"
@@ -384,9 +382,8 @@ def _dotted_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
-"""Codec topk's outer optimizer unless the config sets one: plain SGD with lr 1, as SparseLoCo. Error feedback already
-carries past rounds, and Nesterov momentum on top of it hurt here (30 rounds, 2 islands: eval 3.81 with 0.7/0.9,
-2.40 with SGD; README, "Sparse pseudo-gradients")."""
+"""Codec topk's outer optimizer unless the config sets one: plain SGD with lr 1, as SparseLoCo (error feedback carries
+past rounds; Nesterov on top hurt: 30 rounds, 2 islands, eval 3.81 vs 2.40; README, "Sparse pseudo-gradients")."""
 
 
 def apply_codec_defaults(config: PeerConfig, given: set[str]) -> None:

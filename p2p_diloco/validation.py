@@ -14,7 +14,7 @@ from p2p_diloco.diloco.robust import ROBUST_MERGES
 from p2p_diloco.errors import ConfigError
 
 if TYPE_CHECKING:
-    from p2p_diloco.config import PeerConfig
+    from p2p_diloco.config import NetworkConfig, PeerConfig
 
 RELAY_MODES = ("auto", "off", "only")
 CLIENT_MODES = ("auto", "on", "off")
@@ -119,25 +119,7 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError("train.inner_steps, train.outer_steps and train.batch_size must be >= 1")
     if not 0 <= train.outer_momentum < 1:
         raise ConfigError(f"train.outer_momentum={train.outer_momentum} must be in [0, 1)")
-    for name in ("request_timeout", "leader_poll_s"):
-        if getattr(network, name) >= network.min_matchmaking_time:
-            raise ConfigError(f"network.{name} must be smaller than network.min_matchmaking_time")
-    if network.announce_every < 1 or not 0 <= network.direct_port < 65536 or not 0 <= network.relay_port < 65536:
-        raise ConfigError("network.announce_every must be >= 1; direct_port and relay_port in 0..65535 (0: any)")
-    if network.expect_rounds < 0:
-        raise ConfigError(f"network.expect_rounds={network.expect_rounds} must be >= 0 (0: always wait the window out)")
-    if network.quorum < 1 or network.target_group_size < network.quorum or network.wait_for_islands < 1:
-        raise ConfigError("network.target_group_size must be >= network.quorum >= 1, network.wait_for_islands >= 1")
-    for name, value, choices in (
-        ("network.relay", network.relay, RELAY_MODES),
-        ("network.client_mode", network.client_mode, CLIENT_MODES),
-        ("network.grace", network.grace, GRACE_MODES),
-        ("network.merge", network.merge, MERGE_RULES),
-        ("network.codec", network.codec, CODEC_NAMES),
-        ("network.robust_merge", network.robust_merge, ("auto", *ROBUST_MERGES)),
-    ):
-        if value not in choices:
-            raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+    _validate_network(network)
     if train.slowdown < 1 or train.momentum_every < 1:
         raise ConfigError("train.slowdown and train.momentum_every must be >= 1")
     if train.fragments < 1 or train.fragments > train.inner_steps:
@@ -157,6 +139,29 @@ def validate_config(config: PeerConfig) -> None:
         raise ConfigError("data.num_shards must be >= 1")
     if config.data.shard_index is not None and not 0 <= config.data.shard_index < config.data.num_shards:
         raise ConfigError(f"data.shard_index must be in [0, {config.data.num_shards})")
+
+
+def _validate_network(network: NetworkConfig) -> None:
+    """Reject matchmaking, announce and port settings that cannot work."""
+    for name in ("request_timeout", "leader_poll_s"):
+        if getattr(network, name) >= network.min_matchmaking_time:
+            raise ConfigError(f"network.{name} must be smaller than network.min_matchmaking_time")
+    if network.announce_every < 1 or not 0 <= network.direct_port < 65536 or not 0 <= network.relay_port < 65536:
+        raise ConfigError("network.announce_every must be >= 1; direct_port and relay_port in 0..65535 (0: any)")
+    if network.quorum < 1 or network.target_group_size < network.quorum or network.wait_for_islands < 1:
+        raise ConfigError("network.target_group_size must be >= network.quorum >= 1, network.wait_for_islands >= 1")
+    if network.expect_rounds < 0:
+        raise ConfigError(f"network.expect_rounds={network.expect_rounds} must be >= 0 (0: always wait the window out)")
+    for name, value, choices in (
+        ("network.relay", network.relay, RELAY_MODES),
+        ("network.client_mode", network.client_mode, CLIENT_MODES),
+        ("network.grace", network.grace, GRACE_MODES),
+        ("network.merge", network.merge, MERGE_RULES),
+        ("network.codec", network.codec, CODEC_NAMES),
+        ("network.robust_merge", network.robust_merge, ("auto", *ROBUST_MERGES)),
+    ):
+        if value not in choices:
+            raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def _check_paths(config: PeerConfig) -> None:

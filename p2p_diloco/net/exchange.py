@@ -125,9 +125,8 @@ class GossipExchange:
         # Matchmaking refuses islands whose schema differs, so naming the codec in it keeps codecs apart.
         self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec, PROTOCOL_VERSION)
         _start_keeping_sigint(self.averager)
-        self.min_matchmaking_time, self.size = min_matchmaking_time, size
-        self._schema_tag: int | None = None
-        self.target_group_size = self._group_target = target_group_size
+        self.min_matchmaking_time, self.size, self.target_group_size = min_matchmaking_time, size, target_group_size
+        self._schema_tag, self._group_target = None, target_group_size
         self._part_bytes: int | None = None
         self.result_timeout = allreduce_timeout + RESULT_MARGIN_S
 
@@ -154,13 +153,7 @@ class GossipExchange:
         island leads starts as soon as it has `group_target` members (None: the configured target_group_size).
         """
         counters, start = self._counters(), time.monotonic()
-        if schema_tag != self._schema_tag:
-            self.averager.set_schema_tag(schema_tag)
-            self._schema_tag = schema_tag
-        group_target = group_target or self.target_group_size
-        if group_target != self._group_target:
-            self.averager.set_group_target(group_target)
-            self._group_target = group_target
+        self._configure_round(schema_tag, group_target or self.target_group_size)
         values = pseudo_gradient.reshape(-1)
         if values.numel() > self.size:
             raise ValueError(f"pseudo-gradient of {values.numel()} values exceeds the exchange buffer of {self.size}")
@@ -201,6 +194,15 @@ class GossipExchange:
         if result.merged is not None:
             self._part_bytes = part_bytes_per_window(result.bytes_sent, result.wait_s - result.matchmaking_s)
         return result
+
+    def _configure_round(self, schema_tag: int | None, group_target: int) -> None:
+        """Tell the averager what this round matches on (a fragment) and the group size that starts at once."""
+        if schema_tag != self._schema_tag:
+            self.averager.set_schema_tag(schema_tag)
+            self._schema_tag = schema_tag
+        if group_target != self._group_target:
+            self.averager.set_group_target(group_target)
+            self._group_target = group_target
 
     def _counters(self) -> tuple[float, float, int, int]:
         """The averager's running totals: payload bytes sent and received, mended reply streams, direct lanes."""
