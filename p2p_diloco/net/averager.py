@@ -4,7 +4,6 @@ group's staleness rule, matchmaking by schema, and the island's outer state serv
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -37,13 +36,14 @@ from p2p_diloco.diloco.staleness import (
 from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
-from p2p_diloco.net.group_target import GroupTargetMixin
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_size_for
 from p2p_diloco.net.repair import ServedParts
 from p2p_diloco.net.round_service import RoundServiceMixin
+from p2p_diloco.net.round_settings import RoundSettingsMixin
 from p2p_diloco.net.state_transfer import verified_download
+from p2p_diloco.net.withdrawals import detach_withdrawals
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals, keep_freed_memory
 from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
 
@@ -52,7 +52,7 @@ logger = get_logger(__name__)
 StateProvider = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
 
 
-class PseudoGradientAverager(RoundServiceMixin, GroupTargetMixin, DecentralizedAverager):
+class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, DecentralizedAverager):
     """DecentralizedAverager over one flat pseudo-gradient buffer, all-or-nothing, serving the outer state."""
 
     def __init__(
@@ -111,6 +111,7 @@ class PseudoGradientAverager(RoundServiceMixin, GroupTargetMixin, DecentralizedA
 
     async def _step(self, **kwargs: Any) -> None:
         pace_lookups(self._matchmaking.group_key_manager, self.leader_poll_s)  # idempotent; Matchmaking exists now
+        detach_withdrawals(self._matchmaking.group_key_manager)  # idempotent too
         await super()._step(**kwargs)
 
     def get_current_state(self) -> tuple[dict[str, Any], Sequence[torch.Tensor], None]:
@@ -288,19 +289,6 @@ class PseudoGradientAverager(RoundServiceMixin, GroupTargetMixin, DecentralizedA
 
     async def _revoke(self, document: Any, future: MPFuture) -> None:
         self.gate.revoke(document)
-        future.set_result(True)
-
-    def set_schema_tag(self, tag: int | None) -> None:
-        """Match only with islands exchanging the same thing (e.g. the same fragment) from now on."""
-        future = MPFuture()
-        self._outer_pipe.send(("_set_schema_tag", [], dict(tag=tag, future=future)))
-        future.result(timeout=AVERAGER_COMMAND_S)
-
-    async def _set_schema_tag(self, tag: int | None, future: MPFuture) -> None:
-        suffix = b"" if tag is None else f"fragment-{tag}".encode()
-        self._matchmaking.schema_hash = (
-            hashlib.sha256(self.schema_hash + suffix).digest() if suffix else self.schema_hash
-        )
         future.set_result(True)
 
     def load_state_from(
