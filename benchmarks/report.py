@@ -107,7 +107,17 @@ def chaos(data: dict) -> str:
     ]
     header = ["mode", "goodput (vs no faults)", "final eval loss", "restart → first merge (s)"]
     header += ["restarts killed again before merging", "unexpected errors"]
-    return _table(header, rows)
+    text = _table(header, rows)
+    shares, phases = data.get("goodput_breakdown", {}), data.get("restart_breakdown_mean_s", {})
+    if shares:
+        keys = ("schedule_downtime", "restart_startup", "other", "goodput_of_available")
+        text += "\n\nWhere the clean run's tokens went (shares of islands × budget):\n\n"
+        text += _table(["mode", *keys], [[mode, *(shares[mode].get(key) for key in keys)] for mode in shares])
+    if phases:
+        keys = ("process_start_s", "join_s", "restore_s", "first_round_s", "total_s")
+        text += "\n\nA restart, mean seconds per phase until the island's first merged round:\n\n"
+        text += _table(["mode", *keys], [[mode, *(_fmt(phases[mode].get(key), 1) for key in keys)] for mode in phases])
+    return text
 
 
 def decoupled(data: dict) -> str:
