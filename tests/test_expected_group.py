@@ -17,9 +17,10 @@ def test_islands_missing_from_recent_rounds_and_silent_since_are_not_expected() 
     expected.observe(["a", "b"], ended_at=20.0)
     assert expected.expected(view, "me") == 4  # c merged one round ago
     expected.observe(["a", "b"], ended_at=30.0)
-    assert expected.expected(view, "me") == 3  # c missed two rounds and announced nothing since
-    view["c"] = {"time": 25.0}  # c announced after the oldest remembered round: woken or restarted
-    view["d"] = {"time": 26.0}  # a newcomer
+    expected.observe(["a", "b"], ended_at=40.0)
+    assert expected.expected(view, "me") == 3  # c missed two rounds and announced nothing since it last merged
+    view["c"] = {"time": 15.0}  # c announced after its last merge (read here rounds later): woken or restarted
+    view["d"] = {"time": 5.0}  # a newcomer, never in a group with us
     view["e"] = {"time": float("nan")}  # a record that lies about its time is never expected on that account
     view["f"] = {"time": True}
     assert expected.expected(view, "me") == 5

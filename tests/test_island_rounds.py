@@ -49,9 +49,13 @@ class FakeExchange:
         self.sent: list[tuple[torch.Tensor, dict, float]] = []
         self.downloads: list[list[str] | None] = []
         self.check_max_step = False
+        self.group_targets: list[int | None] = []
 
-    def average(self, payload, metadata, *, weight, grace_s, timeout, schema_tag=None) -> ExchangeResult:
+    def average(
+        self, payload, metadata, *, weight, grace_s, timeout, schema_tag=None, group_target=None
+    ) -> ExchangeResult:
         self.sent.append((payload.clone(), dict(metadata), weight))
+        self.group_targets.append(group_target)
         return self.rounds.pop(0)(payload, metadata)
 
     def load_state(self, timeout: float, peers=None, **checks):
@@ -116,6 +120,23 @@ def test_a_merged_round_applies_the_group_update(tmp_path: Path) -> None:
     torch.testing.assert_close(node.state.anchor, expected_anchor(start, sent * 0.5, node.config), rtol=0, atol=0)
     assert record["merged"] and record["partners"] == 1 and record["group"] == ["peer-b"]
     assert not record["resynced"] and record["note"] is None and len(record["merge_weights"]) == 2
+
+
+def test_the_group_target_follows_the_islands_that_keep_coming(tmp_path: Path) -> None:
+    def merged_with_peers(*peers: str):
+        def round_(payload: torch.Tensor, metadata: dict) -> ExchangeResult:
+            partners = {peer: {**metadata, "ready": metadata["ready"]} for peer in peers}
+            return ExchangeResult(merged=payload * 0.5, partners=partners, wait_s=0.01)
+
+        return round_
+
+    rounds = [merged_with_peers("peer-b", "peer-c"), merged_with_peers("peer-b"), merged_with_peers("peer-b")]
+    exchange = FakeExchange(rounds)
+    view = {peer: {"outer_step": 0, "time": 0.0} for peer in ("peer-b", "peer-c")}  # announced long ago
+    overrides = {"train.outer_steps": 3, "network.expect_rounds": 1, "network.target_group_size": 8}
+    run(island(tmp_path, exchange, FakeRecords(view), **overrides))
+    # No history yet: the configured cap. Then everyone of the last round; peer-c, gone since, is no longer waited for.
+    assert exchange.group_targets == [8, 3, 2]
 
 
 @pytest.mark.parametrize("error", ["no partner within the window", "AllreduceException: partial all-reduce"])
@@ -208,6 +229,22 @@ def test_a_group_that_finds_the_island_stale_between_announces_sends_it_where_th
     (record,) = run(node)
     assert record["resynced"] and node.outer_step == 7, record["note"]
     assert record["note"] == "7 steps stale: contribution rejected, resynced to outer step 7"
+
+
+def test_a_stale_island_accepts_a_donor_as_far_past_its_records_as_islands_announce(tmp_path: Path) -> None:
+    # peer-b's record says step 5, but islands re-announce only every 4 rounds: the donor may be at 5 + 4 + 1.
+    records = FakeRecords({"peer-b": {"outer_step": 5}})
+
+    def swarm_moved_on(payload, metadata):
+        metadata["ready"] -= 120  # frozen for two minutes: the group and the island's clock find 10 steps plausible
+        node.clock.time -= 120
+        return merged_with(lambda values: values, swarm_step=10, outer_step=10)(payload, metadata)
+
+    exchange = FakeExchange([swarm_moved_on])
+    node = island(tmp_path, exchange, records, **{"network.announce_every": 4})
+    exchange.states, exchange.check_max_step = [lambda: None, lambda: donor_state(node, 10)], True
+    (record,) = run(node)
+    assert record["resynced"] and node.outer_step == 10, record["note"]
 
 
 def test_an_island_off_the_group_lineage_downloads_the_canonical_state(tmp_path: Path) -> None:

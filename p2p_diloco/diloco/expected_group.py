@@ -4,14 +4,15 @@ hivemind's leader waits out its whole matchmaking window unless the group reache
 is a fixed cap (8 by default). With fewer islands alive the window is always waited out in full: measured in
 benchmarks/chaos.py, rounds with one of five islands down waited 1.1 s for a partner that was dead, against
 0.4 s with all five. An island expects every other island it merged with in its last few rounds, and any island
-whose record was announced since then (a newcomer, a restarted or woken island); an island missing from that many
-rounds and silent since is no longer waited for, and joins again as soon as it shows up.
+that announced itself after it last merged with it (a newcomer, a restarted or woken island: islands read records
+only every few rounds, so the announce is compared with the last merge, not with a window of rounds that could
+pass before the record is read); an island missing from that many rounds and silent since is no longer waited for.
+Records carry the announcer's wall clock: a clock that runs ahead only makes us wait the window, as without this.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -22,32 +23,27 @@ class ExpectedPartners:
     def __init__(self, memory_rounds: int = 3) -> None:
         self.memory_rounds = memory_rounds
         self.rounds = 0
-        self.last_seen: dict[str, int] = {}
-        self.round_ends: deque[float] = deque(maxlen=max(1, memory_rounds))
+        self.last_seen: dict[str, tuple[int, float]] = {}
+        """Per island: the round (counted here) and the wall-clock time it was last in a group with this island."""
 
     def observe(self, partners: Iterable[str], ended_at: float) -> None:
         """Record one finished round: who was in the group, and when it ended (wall-clock seconds)."""
         self.rounds += 1
         for peer in partners:
-            self.last_seen[peer] = self.rounds
-        self.round_ends.append(ended_at)
+            self.last_seen[peer] = (self.rounds, ended_at)
 
     def expected(self, view: Mapping[str, Mapping[str, Any]], own_peer: str) -> int | None:
-        """The group size to start at once (this island included), or None to wait out the window as before.
-
-        A record's `time` is that island's claim: a false one can only make us wait the window, as without this."""
-        if self.memory_rounds <= 0 or len(self.round_ends) < self.memory_rounds:
+        """The group size to start at once (this island included), or None to wait out the window as before."""
+        if self.memory_rounds <= 0 or self.rounds < self.memory_rounds:
             return None  # too few rounds to tell who stopped coming
-        since = self.round_ends[0]
         count = 1
         for peer, record in view.items():
             if peer == own_peer:
                 continue
-            seen = self.last_seen.get(peer)
+            seen_round, seen_at = self.last_seen.get(peer, (None, -math.inf))
             announced = record.get("time") if isinstance(record, Mapping) else None
-            recent = seen is not None and self.rounds - seen < self.memory_rounds
-            fresh = _number(announced) and announced > since
-            count += recent or fresh
+            recent = seen_round is not None and self.rounds - seen_round < self.memory_rounds
+            count += recent or (_number(announced) and announced > seen_at)
         return count
 
 

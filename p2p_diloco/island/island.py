@@ -24,7 +24,7 @@ from p2p_diloco.diloco.merge import is_finite
 from p2p_diloco.diloco.outer import pseudo_gradient
 from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
 from p2p_diloco.island.announce import AnnounceSchedule, SwarmViewMixin, fold_partner_steps
-from p2p_diloco.island.checkpoints import restore, save, wait_for_islands
+from p2p_diloco.island.checkpoints import donor_step_limit, restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
@@ -278,7 +278,10 @@ class Island(SwarmViewMixin):
         if self.link.online and not self.announces.fresh:  # where the swarm is now: the donors are there
             self._announce()
             self._update_clock(float(contribution.metadata.get("round_s") or 1.0))
-        caught = self.resync.catch_up(max_step=self.clock.value + 1 if self.clock.value is not None else None)
+        # Records lag their islands by up to announce_every rounds: a bound at the clock itself turned every honest
+        # donor away from an island woken after a freeze while the swarm ran ahead (test_decoupled_swarm).
+        clock = [] if self.clock.value is None else [self.clock.value]
+        caught = self.resync.catch_up(max_step=donor_step_limit(clock, self.config.network.announce_every))
         if caught.status is CatchUpStatus.ADOPTED:
             self.trainer.load_all(self.state.anchor)
             note = f"{staleness} steps stale: contribution rejected, resynced to outer step {caught.outer_step}"
