@@ -210,40 +210,38 @@ def test_the_group_rejects_a_stale_island_that_then_catches_up(tmp_path: Path) -
     assert torch.equal(node.state.anchor, node.trainer.weights())  # the model holds the adopted anchor
 
 
+def _woken_into_a_swarm_ahead(tmp_path: Path, records: FakeRecords, swarm_step: int, announce_every: int, reread=None):
+    """One round in which the group finds the island stale (frozen two minutes: the group and the island's clock
+    find the lead plausible) and a donor at `swarm_step` answers; `reread` is what the records show once re-read."""
+
+    def swarm_moved_on(payload, metadata):
+        if reread is not None:
+            records.view = reread
+        metadata["ready"] -= 120
+        node.clock.time -= 120
+        return merged_with(lambda values: values, swarm_step=swarm_step, outer_step=swarm_step)(payload, metadata)
+
+    exchange = FakeExchange([swarm_moved_on])
+    node = island(tmp_path, exchange, records, **{"network.announce_every": announce_every})
+    exchange.states, exchange.check_max_step = [lambda: None, lambda: donor_state(node, swarm_step)], True
+    (record,) = run(node)
+    return node, record
+
+
 def test_a_group_that_finds_the_island_stale_between_announces_sends_it_where_the_swarm_is_now(
     tmp_path: Path,
 ) -> None:
     # The island announced at step 0 and, announcing every 10 rounds, has not read the records since; meanwhile
     # the swarm reached step 7. The group tells it it is stale: its catch-up must accept a donor at step 7.
     records = FakeRecords({"peer-b": {"outer_step": 0}})
-
-    def swarm_moved_on(payload, metadata):
-        records.view = {"peer-b": {"outer_step": 7}}
-        metadata["ready"] -= 120  # frozen for two minutes: the group and the island's clock find 7 steps plausible
-        node.clock.time -= 120
-        return merged_with(lambda values: values, swarm_step=7, outer_step=7)(payload, metadata)
-
-    exchange = FakeExchange([swarm_moved_on])
-    node = island(tmp_path, exchange, records, **{"network.announce_every": 10})
-    exchange.states, exchange.check_max_step = [lambda: None, lambda: donor_state(node, 7)], True
-    (record,) = run(node)
+    node, record = _woken_into_a_swarm_ahead(tmp_path, records, 7, 10, reread={"peer-b": {"outer_step": 7}})
     assert record["resynced"] and node.outer_step == 7, record["note"]
     assert record["note"] == "7 steps stale: contribution rejected, resynced to outer step 7"
 
 
 def test_a_stale_island_accepts_a_donor_as_far_past_its_records_as_islands_announce(tmp_path: Path) -> None:
     # peer-b's record says step 5, but islands re-announce only every 4 rounds: the donor may be at 5 + 4 + 1.
-    records = FakeRecords({"peer-b": {"outer_step": 5}})
-
-    def swarm_moved_on(payload, metadata):
-        metadata["ready"] -= 120  # frozen for two minutes: the group and the island's clock find 10 steps plausible
-        node.clock.time -= 120
-        return merged_with(lambda values: values, swarm_step=10, outer_step=10)(payload, metadata)
-
-    exchange = FakeExchange([swarm_moved_on])
-    node = island(tmp_path, exchange, records, **{"network.announce_every": 4})
-    exchange.states, exchange.check_max_step = [lambda: None, lambda: donor_state(node, 10)], True
-    (record,) = run(node)
+    node, record = _woken_into_a_swarm_ahead(tmp_path, FakeRecords({"peer-b": {"outer_step": 5}}), 10, 4)
     assert record["resynced"] and node.outer_step == 10, record["note"]
 
 
