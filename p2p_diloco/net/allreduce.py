@@ -15,7 +15,7 @@ import math
 import multiprocessing as mp
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
@@ -24,7 +24,7 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, P2PDaemonError, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.lane_parts import LanePartsMixin
@@ -143,6 +143,16 @@ async def write_results_in_place(container: TensorPartContainer) -> AsyncIterato
         yield tensor
 
 
+CLEANUP_WAIT_S = 0.5
+"""How long a member that gave up on a round waits for the runner's clean-up before it moves on."""
+
+
+def _retrieve(task: asyncio.Task) -> None:
+    """Fetch a background task's outcome, so that asyncio does not report it as never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
     """AllReduceRunner that returns averages (not deltas), poisons partial reductions, counts bytes and moves parts
     over direct lanes where the reducer can be reached."""
@@ -182,6 +192,41 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         self.served = ServedParts(self.group_id, self.sender_peer_ids, self.tensor_part_reducer.num_parts)
         self._senders_connected = {peer: asyncio.Event() for peer in self.sender_peer_ids if peer != self.peer_id}
         self._connect_watches: set[asyncio.Task] = set()
+        self.doomed = asyncio.Event()
+        """Set once a reducer failed: this member will discard the round whatever else arrives."""
+
+    async def average_into(self, tensors: Sequence[torch.Tensor], grace: float) -> None:
+        """Run the all-reduce, writing the averages into `tensors`. Once a reducer has failed the round is lost to
+        this member: it goes on for at most `grace` s (its own reducer may still serve the others), then gives up.
+
+        Waiting for the rest cost every survivor of a kill and a freeze 14 s in a 5-member group (a frozen reducer
+        takes a ticket timeout, a stream timeout and a repair timeout to fail), and a woken member the whole
+        all-reduce timeout (measured in benchmarks/chaos.py: 60 s)."""
+        consume = asyncio.create_task(self._consume(tensors))
+        doomed = asyncio.create_task(self.doomed.wait())
+        try:
+            await asyncio.wait({consume, doomed}, return_when=asyncio.FIRST_COMPLETED)
+            if not consume.done():
+                try:
+                    await asyncio.wait_for(asyncio.shield(consume), grace)
+                except asyncio.TimeoutError:
+                    gave_up = f"a reducer failed; gave up on the rest of the round after {grace:g} s"
+                    raise AllreduceException(gave_up) from None
+            await consume
+        finally:
+            doomed.cancel()
+            if not consume.done():
+                # The results stop being written at the first step of the cancellation; the runner's own clean-up
+                # then waits for its calls to the other members, a dial to a dead one taking seconds: leave that
+                # to the background rather than hold this member's next attempt.
+                consume.cancel()
+                consume.add_done_callback(_retrieve)
+                await asyncio.wait({consume}, timeout=CLEANUP_WAIT_S)
+
+    async def _consume(self, tensors: Sequence[torch.Tensor]) -> None:
+        async for tensor, averaged in azip(as_aiter(*tensors), self):
+            if averaged.data_ptr() != tensor.data_ptr():  # the runner writes results in place
+                tensor.copy_(averaged)
 
     async def wait_for_replies(self, timeout: float) -> None:
         """Wait (at most `timeout` s) until every sender's stream to this reducer has closed, so that the bytes
@@ -239,8 +284,10 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
             if received != expected:
                 raise AllreduceException(f"peer {peer_id} sent {received} parts, expected {expected}")
         except BaseException as error:
-            logger.warning(f"reducer {peer_id} failed, the round will be discarded: {error!r}")
+            if not self.doomed.is_set() or not isinstance(error, asyncio.CancelledError):
+                logger.warning(f"reducer {peer_id} failed, the round will be discarded: {error!r}")
             self.tensor_part_container.register_failed_reducer(peer_index)
+            self.doomed.set()
             raise
 
     def _reply_decoder(self, peer_id: PeerID) -> Callable[[averaging_pb2.AveragingData], torch.Tensor]:

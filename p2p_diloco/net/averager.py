@@ -20,7 +20,7 @@ from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, as_aiter, azip
+from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
@@ -153,9 +153,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         assert group_id in self._running_groups, f"group {group_id} was not registered"
         self._running_groups[group_id].set_result(runner)
         try:
-            async for tensor, averaged in azip(as_aiter(*tensors), runner):
-                if averaged.data_ptr() != tensor.data_ptr():  # the runner writes results in place
-                    tensor.copy_(averaged)
+            await runner.average_into(tensors, grace=self.next_chunk_timeout)
             if runner.failed_size:
                 raise AllreduceException(f"partial all-reduce: {runner.failed_size} values were not averaged")
             # A sum is ~25x cheaper than an elementwise check and is NaN/inf whenever any value is.
