@@ -10,11 +10,7 @@ Reducers also return the averaged values rather than differences, so every membe
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import math
-import multiprocessing as mp
-import os
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
 import torch
@@ -26,86 +22,13 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 
+from p2p_diloco.net.counters import ByteCounters, LinkLimiter
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.lane_parts import LanePartsMixin
 from p2p_diloco.net.reducers import make_reducer
 from p2p_diloco.net.repair import ServedParts
 
 logger = get_logger(__name__)
-
-
-class ByteCounters:
-    """Payload bytes sent and received by an averager process (and reply streams it mended), readable from the
-    host process."""
-
-    def __init__(self) -> None:
-        self._sent = mp.Value(ctypes.c_double, 0.0)
-        self._received = mp.Value(ctypes.c_double, 0.0)
-        self._repaired = mp.Value(ctypes.c_long, 0)
-        self._lanes = mp.Value(ctypes.c_long, 0)
-        self._wire_sent = mp.Value(ctypes.c_double, 0.0)
-        self._wire_received = mp.Value(ctypes.c_double, 0.0)
-
-    def count_lane(self) -> None:
-        """Count one reducer this process sent its parts to over a direct lane."""
-        with self._lanes.get_lock():
-            self._lanes.value += 1
-
-    def lanes(self) -> int:
-        """Direct lanes opened as a sender so far."""
-        return self._lanes.value
-
-    def add_wire(self, sent: float, received: float) -> None:
-        """Count the bytes a closed direct lane moved over TCP (frames, tags and hello included)."""
-        with self._wire_sent.get_lock():
-            self._wire_sent.value += sent
-        with self._wire_received.get_lock():
-            self._wire_received.value += received
-
-    def wire(self) -> tuple[float, float]:
-        """(bytes sent, bytes received) over TCP by direct lanes so far (libp2p's own are counted by `ss`)."""
-        return self._wire_sent.value, self._wire_received.value
-
-    def count_repair(self) -> None:
-        """Count one broken reply stream whose missing parts arrived over a new one."""
-        with self._repaired.get_lock():
-            self._repaired.value += 1
-
-    def repairs(self) -> int:
-        """Broken reply streams mended so far."""
-        return self._repaired.value
-
-    def add(self, sent: float = 0.0, received: float = 0.0) -> None:
-        """Count bytes that went out or came in."""
-        with self._sent.get_lock():
-            self._sent.value += sent
-        with self._received.get_lock():
-            self._received.value += received
-
-    def read(self) -> tuple[float, float]:
-        """(bytes sent, bytes received) so far."""
-        return self._sent.value, self._received.value
-
-
-class LinkLimiter:
-    """Paces the bytes an averager process sends to a fixed rate: a stand-in for a slow link where `tc` is not
-    allowed. Set P2P_DILOCO_LINK_MBIT in the island's environment to enable it (payload only, not DHT traffic)."""
-
-    def __init__(self, mbit: float) -> None:
-        self.bytes_per_s = mbit * 1e6 / 8
-        self.free_at = 0.0
-
-    @classmethod
-    def from_env(cls) -> LinkLimiter | None:
-        """The limiter P2P_DILOCO_LINK_MBIT asks for, if any."""
-        value = os.environ.get("P2P_DILOCO_LINK_MBIT")
-        return cls(float(value)) if value else None
-
-    async def send(self, size: int) -> None:
-        """Wait until `size` more bytes fit through the link."""
-        now = time.monotonic()
-        self.free_at = max(now, self.free_at) + size / self.bytes_per_s
-        await asyncio.sleep(self.free_at - now)
 
 
 async def write_results_in_place(container: TensorPartContainer) -> AsyncIterator[torch.Tensor]:

@@ -33,7 +33,8 @@ from p2p_diloco.diloco.staleness import (
     own_weight,
     weight_claims_over_cap,
 )
-from p2p_diloco.net.allreduce import ByteCounters, StrictAllReduceRunner
+from p2p_diloco.net.allreduce import StrictAllReduceRunner
+from p2p_diloco.net.counters import ByteCounters
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
