@@ -8,6 +8,7 @@ import ctypes
 import multiprocessing as mp
 import os
 import time
+from typing import Any
 
 
 class ByteCounters:
@@ -24,8 +25,7 @@ class ByteCounters:
 
     def count_lane(self) -> None:
         """Count one reducer this process sent its parts to over a direct lane."""
-        with self._lanes.get_lock():
-            self._lanes.value += 1
+        _increment(self._lanes, 1)
 
     def lanes(self) -> int:
         """Direct lanes opened as a sender so far."""
@@ -33,10 +33,8 @@ class ByteCounters:
 
     def add_wire(self, sent: float, received: float) -> None:
         """Count the bytes a closed direct lane moved over TCP (frames, tags and hello included)."""
-        with self._wire_sent.get_lock():
-            self._wire_sent.value += sent
-        with self._wire_received.get_lock():
-            self._wire_received.value += received
+        _increment(self._wire_sent, sent)
+        _increment(self._wire_received, received)
 
     def wire(self) -> tuple[float, float]:
         """(bytes sent, bytes received) over TCP by direct lanes so far (libp2p's own are counted by `ss`)."""
@@ -44,8 +42,7 @@ class ByteCounters:
 
     def count_repair(self) -> None:
         """Count one broken reply stream whose missing parts arrived over a new one."""
-        with self._repaired.get_lock():
-            self._repaired.value += 1
+        _increment(self._repaired, 1)
 
     def repairs(self) -> int:
         """Broken reply streams mended so far."""
@@ -53,14 +50,18 @@ class ByteCounters:
 
     def add(self, sent: float = 0.0, received: float = 0.0) -> None:
         """Count bytes that went out or came in."""
-        with self._sent.get_lock():
-            self._sent.value += sent
-        with self._received.get_lock():
-            self._received.value += received
+        _increment(self._sent, sent)
+        _increment(self._received, received)
 
     def read(self) -> tuple[float, float]:
         """(bytes sent, bytes received) so far."""
         return self._sent.value, self._received.value
+
+
+def _increment(counter: Any, amount: float) -> None:
+    """Add to a shared counter under its lock (the averager process and its host both touch it)."""
+    with counter.get_lock():
+        counter.value += amount
 
 
 class LinkLimiter:
