@@ -6,7 +6,8 @@
                        the reported loss is the mean of their final eval losses
     (c) p2p_diloco     a real local swarm: a bootstrap and 4 `p2p-diloco peer` processes, quorum 4, T outer steps
                        of H inner steps
-    (d) single         one solo island on shard 0 for the same T*H steps (it sees 1/4 of the total tokens)
+    (d) single         one solo island on shard 0 for the same T*H steps (it sees 1/4 of the total tokens): isolated
+                       island 0 itself
 
 Every system starts from the same initial weights (model seed), island / rank i trains on shard i of 4 with the
 island's batch-order seed, and every eval uses the same held-out tail of the corpus. The systems run one after
@@ -124,7 +125,7 @@ def run_systems(settings: dict, runs: Path, references: bool = True) -> dict[str
     systems["p2p_diloco"] = run_p2p(settings, runs / "p2p")
     if not references:
         return {name: systems[name] for name in SYSTEMS if name in systems}
-    print("== (b) + (d) 4 isolated islands and one island alone ...", flush=True)
+    print("== (b) + (d) 4 isolated islands (island 0 is the single island) ...", flush=True)
     systems["isolated"], systems["single"] = run_solo(settings, runs / "solo")
     return {name: systems[name] for name in SYSTEMS}
 

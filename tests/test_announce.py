@@ -62,3 +62,20 @@ def test_partners_steps_update_only_known_islands_and_only_forward() -> None:
     }
     assert fold_partner_steps(view, partners) == 1
     assert view == {"a": {"outer_step": 4, "maddrs": ["x"]}, "b": {"outer_step": 5}, "c": {"outer_step": 2}}
+
+
+def test_a_dashboard_polling_between_announces_sees_every_round_of_the_short_history() -> None:
+    from p2p_diloco.cli.dashboard import History
+    from p2p_diloco.island.progress import MIN_HISTORY, Progress, history_rounds
+
+    for every in (1, 4, 7):
+        kept = history_rounds(every)
+        assert kept >= max(MIN_HISTORY, 2 * every) or kept == 32  # never more than the schema accepts
+        progress, seen = Progress("run", kept), History()
+        for step in range(1, 41):
+            progress.add({"outer_step": step, "tokens": 100 * step, "round_s": 1.0, "time": float(step)})
+            if step % every == 0 or step == 40:  # announces (and on leaving); the dashboard reads each
+                seen.update({"islands": [{"peer_id": "island", "history": progress.history()}]})
+        rounds = [entry[0] for entry in seen.snapshot()["islands"][0]["history"]]
+        assert rounds == list(range(1, 41)), f"announcing every {every} rounds"
+        assert len(progress.history()) == kept < 40

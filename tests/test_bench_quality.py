@@ -64,6 +64,8 @@ def test_quality_smoke(tmp_path: Path) -> None:
     assert totals["data_parallel"] == totals["p2p_diloco"] == totals["isolated"] == 4 * totals["single"]
     # Every p2p round averaged all four islands, and the data-parallel replicas stayed identical
     assert data["systems"]["p2p_diloco"]["rounds_with_all_islands"] == 1.0
+    # ... so every island held the same anchor, and island 0's eval speaks for all four
+    assert data["systems"]["p2p_diloco"]["anchor_digests_agree"] is True
     assert data["systems"]["data_parallel"]["replica_max_abs_diff"] == 0.0
     assert (tmp_path / "quality-smoke.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -28,7 +28,7 @@ from p2p_diloco.island.checkpoints import donor_step_limit, restore, save, wait_
 from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
-from p2p_diloco.island.progress import Progress, startup_times
+from p2p_diloco.island.progress import Progress, history_rounds, startup_times
 from p2p_diloco.island.records import progress_line, round_record
 from p2p_diloco.island.resync import CatchUpStatus, Resync
 from p2p_diloco.island.rounds import Landed, PendingMerge, RoundOutcome, Verdict, done, in_background, nothing_landed
@@ -78,7 +78,7 @@ class Island(SwarmViewMixin):
         self.announces = AnnounceSchedule(network.announce_every, network.announce_ttl / 3)
         self.pending: PendingMerge | None = None
         self.deadline: float | None = None
-        self.progress = Progress(config.network.run_id)
+        self.progress = Progress(config.network.run_id, history_rounds(network.announce_every))
         """Recent rounds, announced with the island for `p2p-diloco status` and the dashboard."""
         self.clock = SwarmClock()
         self.startup: dict[str, float | None] = {"join_s": None}

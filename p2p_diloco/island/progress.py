@@ -9,12 +9,23 @@ from collections import deque
 from typing import Any
 
 from p2p_diloco import __version__
+from p2p_diloco.net.record_schema import MAX_HISTORY
 from p2p_diloco.net.records import PROTOCOL_VERSION
 
 logger = logging.getLogger(__name__)
 
-HISTORY = 24
-"""Rounds kept in an island's record (each a few dozen bytes; DHT values must stay a few KB)."""
+MIN_HISTORY = 8
+"""Fewest rounds kept in an island's record. The record carries twice the rounds between its announces (at least
+this many), so a reader polling between announces (the dashboard) sees every round, stitched across reads: each
+announce sends the record to every replica and every read fetches all of them, and 24 rounds of history were 62%
+of a record's msgpack bytes (`benchmarks/bandwidth.py`: announces were a third of the chatter per round)."""
+
+
+def history_rounds(announce_every: int) -> int:
+    """Rounds of history an island announcing every `announce_every` rounds keeps in its record."""
+    return min(MAX_HISTORY, max(MIN_HISTORY, 2 * announce_every))
+
+
 CUT_OFF_WARNING_ROUNDS = 5
 """Warn every this many rounds an island spends alone while others of its run are announced."""
 
@@ -26,9 +37,9 @@ def _rounded(value: Any, digits: int = 4) -> Any:
 class Progress:
     """Recent rounds of one island, from its metrics records."""
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, history: int = MIN_HISTORY) -> None:
         self.run_id = run_id
-        self.rounds: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self.rounds: deque[dict[str, Any]] = deque(maxlen=history)
         self._tokens_per_s: float | None = None
         self._alone = 0
         self._warned: set[tuple[str, str]] = set()
