@@ -208,6 +208,18 @@ def bandwidth(data: dict) -> str:
     )
 
 
+def chatter(data: dict) -> str:
+    """Chatter per island-round by what it served, and the top-k payload beside it."""
+    rows = [[what, round(size / 1000, 2)] for what, size in data["chatter_by_what"].items()]
+    rows.append(["all RPCs", round(data["rpc_bytes_per_island_round"] / 1000, 2)])
+    rows.append(["top-k payload (direct lanes)", round(data["payload_bytes_per_island_round"] / 1000, 2)])
+    return (
+        f"{data['islands']} islands, tiny model, top-k, quorum {data['islands']}; {data['island_rounds_counted']} "
+        "island-rounds at steady state; protobuf bytes of each RPC, request and response, at its caller.\n\n"
+        + _table(["what", "KB per island-round"], rows)
+    )
+
+
 def utilization(data: dict) -> str:
     """Compute fraction on a slow link, blocking vs streaming."""
     rows = [[mode, fraction] for mode, fraction in data["compute_fraction"].items()]
@@ -292,6 +304,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("simulator", "Simulated goodput at scale", simulator),
     ("decoupled", "Decoupled merging with a 3x slower island", decoupled),
     ("bandwidth", "Bandwidth vs data-parallel", bandwidth),
+    ("chatter", "Where the chatter goes", chatter),
     ("utilization", "Compute utilization on a slow link", utilization),
     ("attacks", "Attacks on a swarm, defences off and on", attacks),
     ("internet", "Direct vs relayed islands on separate hosts", internet),
