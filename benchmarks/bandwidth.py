@@ -15,7 +15,7 @@ per step (P parameters, fp32), so
 bytes over payload bytes (framing, encryption, DHT and matchmaking chatter on top of the payload).
 
     python benchmarks/bandwidth.py           # H = 100 x 7 codecs (3 seeds: fp32 int2 topk), H = 50 x 3 (9 min)
-    python benchmarks/bandwidth.py --quick   # H = 100 only, tiny model, 1 seed
+    python benchmarks/bandwidth.py --quick   # H = 100 only, tiny model, 1 seed, fp32 int8 int4 topk
     python benchmarks/bandwidth.py --smoke   # fp32, int8 and topk, 2 islands, tiny model (used by the tests)
 """
 
@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run every (H, codec) and write bandwidth.json and bandwidth.png (bandwidth-smoke.* with --smoke)."""
     parser = benchmark_parser(
         __doc__,
-        quick="tiny model, H = 100 only",
+        quick="tiny model, H = 100 only, fp32 int8 int4 topk",
         smoke="fp32, int8 and topk, 2 islands, tiny model, H = 10",
         out="where the JSON and PNG go",
     )
@@ -302,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     args.islands, args.tiny = 4, False
     grid = {50: 4, 100: 2}  # H -> outer steps: every H sees the same number of tokens
     codecs = CODECS
-    if args.quick:
-        args.tiny, grid = True, {100: 2}
+    if args.quick:  # the codecs that span the range: full precision, the 8- and 4-bit ones, sparse
+        args.tiny, grid, codecs = True, {100: 2}, ["fp32", "int8", "int4", "topk"]
     if args.smoke:
         args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8", "topk"]
     codecs = args.codecs or codecs

@@ -7,7 +7,7 @@ the final eval loss, the time from a restart to the restarted island's first mer
 island exited with an error it should have survived.
 
     python benchmarks/chaos.py            # 5 islands, 90 s per run, 4 runs (about 7 minutes)
-    python benchmarks/chaos.py --quick    # 3 islands, 40 s per run
+    python benchmarks/chaos.py --quick    # 3 islands, 30 s per run
     python benchmarks/chaos.py --smoke    # 3 islands, tiny model, short runs (used by the tests)
 """
 
@@ -28,7 +28,7 @@ MODES = {"decoupled": [], "synchronous": ["--quorum", "{n}", "--averaging-timeou
 # mode: islands, budget, kill_every, restart_after, stop_every, stop_for
 PRESETS = {
     "smoke": (3, 26.0, 9.0, 4.0, 14.0, 4.0),
-    "quick": (3, 40.0, 14.0, 6.0, 18.0, 5.0),
+    "quick": (3, 30.0, 10.0, 5.0, 14.0, 4.0),
     "full": (5, 90.0, 30.0, 10.0, 40.0, 8.0),
 }
 
@@ -343,7 +343,7 @@ def summarise(runs: list[dict], islands: int, budget: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run both modes with and without the fault schedule; write chaos.json and chaos.png."""
     parser = benchmark_parser(
-        __doc__, quick="3 islands, 40 s per run", smoke="3 islands, tiny model, short runs (used by the tests)"
+        __doc__, quick="3 islands, 30 s per run", smoke="3 islands, tiny model, short runs (used by the tests)"
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)

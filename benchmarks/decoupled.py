@@ -6,7 +6,7 @@ island's final eval loss, goodput (training tokens per second summed over island
 wall-clock time the fast islands spent blocked on the network.
 
     python benchmarks/decoupled.py            # every configuration, 30 s each (about 6 minutes on 2 cores)
-    python benchmarks/decoupled.py --quick    # synchronous, K=1 without and with grace; short budget
+    python benchmarks/decoupled.py --quick    # synchronous, K=1 without and with grace; 15 s each
     python benchmarks/decoupled.py --smoke    # two configurations on the tiny model (used by the tests)
 """
 
@@ -153,13 +153,13 @@ def targets(rows: list[dict]) -> dict | None:
 def main(argv: list[str] | None = None) -> int:
     """Run the configurations and write benchmarks/results/decoupled.json and decoupled.png."""
     parser = benchmark_parser(
-        __doc__, quick="3 configurations, short budget", smoke="two configurations, tiny model, seconds each"
+        __doc__, quick="3 configurations, 15 s each", smoke="two configurations, tiny model, seconds each"
     )
     parser.add_argument("--budget", type=float, help="seconds per configuration")
     args = parser.parse_args(argv)
     chosen = SMOKE if args.smoke else QUICK if args.quick else [c[0] for c in CONFIGS]
     configs = [c for c in CONFIGS if c[0] in chosen]
-    budget = args.budget or (12 if args.smoke else 30)
+    budget = args.budget or (12 if args.smoke else 15 if args.quick else 30)
     inner_steps = 10 if args.smoke else 20
     rows = []
     for name, mode, merge, flags in configs:

@@ -14,7 +14,7 @@ island's batch-order seed, and every eval uses the same held-out tail of the cor
 the other so that they do not compete for the CPU.
 
     python benchmarks/quality.py            # default model, T=144, H=5, 3 seeds (references: 1); about 19 min
-    python benchmarks/quality.py --quick    # default model, T=24, H=5, 1 seed (2 minutes)
+    python benchmarks/quality.py --quick    # default model, T=12, H=5, 1 seed (about a minute)
     python benchmarks/quality.py --smoke    # tiny model, T=3, H=5 (used by the tests)
 
 With several seeds (--seeds N: seeds --seed .. --seed+N-1, each changing the initial weights and the batch order)
@@ -43,7 +43,7 @@ from lib.quality_seeds import combine_seeds
 # 1.040-1.056) and 1.032 at T=144, so the full run trains T=144.
 MODES = {
     "full": (144, 5, 8, False, 3),
-    "quick": (24, 5, 8, False, 1),
+    "quick": (12, 5, 8, False, 1),
     "smoke": (3, 5, 2, True, 1),
 }
 # At this budget (360 inner steps) outer Nesterov momentum hurts: a sweep with the single-process reference
