@@ -323,7 +323,10 @@ def test_a_member_frozen_mid_round_gives_up_once_a_reducer_failed(members: Membe
     waited = time.monotonic() - woke
     assert result["merged"] is None and result["restored"], result
     assert all(outcome["merged"] is None and outcome["restored"] for outcome in outcomes), outcomes
-    assert "gave up on the rest of the round" in log.read_text()
+    # It wakes either to its reducer's failure (and gives up once the chunk timeout passes) or, on a loaded machine,
+    # to the others' results streams already closed (a partial result, discarded at once): never the full timeout.
+    text = log.read_text()
+    assert "gave up on the rest of the round" in text or "% results" in text, text[-2000:]
     assert waited < 20, f"the woken member waited {waited:.0f} s for a round it had lost: the all-reduce timeout"
 
 

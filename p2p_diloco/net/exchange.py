@@ -226,17 +226,18 @@ class GossipExchange:
         )
 
     def set_state_priority(self, priority: float) -> None:
-        """The priority hivemind declares this island's state with (client mode shares no state), at most once per
+        """The priority hivemind declares this island's state with (client mode shares no state), at most twice per
         declare period.
 
         hivemind re-declares a donor (a DHT store, after a look-up of the key's nearest nodes) whenever its priority
-        changes, on top of once per declare period; the island's priority is its outer step, so that was one
-        declare per round: 56 of the 206 DHT stores of a 4-island swarm (12 rounds, tiny model), 12 after. Joiners
-        do not rank donors by it (`state_transfer` asks a random few for their step and digest), so a priority one
-        period old costs nothing.
+        changes; the island's priority is its outer step, so that was one declare per round: 56 of the 206 DHT
+        stores of a 4-island swarm (12 rounds, tiny model). Joiners do not rank donors by it (`state_transfer` asks
+        a random few for their step and digest), so a priority half a period old costs nothing. Half, not a whole
+        one: hivemind's own re-declare comes only as the last one expires, and a donor is unlisted until that store
+        lands (seconds on a loaded machine, and islands that started together expire together).
         """
         now = time.monotonic()
-        if self.averager.client_mode or now - self._priority_set_at < self.averager.declare_state_period:
+        if self.averager.client_mode or now - self._priority_set_at < self.averager.declare_state_period / 2:
             return
         self._priority_set_at = now
         self.averager.state_sharing_priority = priority
