@@ -33,6 +33,8 @@ def island_curve(records_by_island: list[list[dict]], evaluated: list[int] | Non
         curve["eval_loss"].append(sum(losses) / len(losses))
         curve["inner_steps"].append(rows[0]["inner_steps_total"])
         curve["eval_loss_spread"].append(max(losses) - min(losses))
+    if len(evaluated) < 2:  # one island's eval has no spread to report
+        del curve["eval_loss_spread"]
     return curve
 
 
