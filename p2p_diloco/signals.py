@@ -43,7 +43,42 @@ class GracefulStop:
         """Handle SIGINT and SIGTERM in this (main) thread from now on."""
         for signum in EXIT_CODES:
             signal.signal(signum, self._handle)
+        self._watch_for_a_second_signal()
         return self
+
+    def _watch_for_a_second_signal(self) -> None:
+        """A thread that exits at the second stop signal whatever the main thread is doing.
+
+        Python runs signal handlers in the main thread only, between bytecodes: a main thread inside one long C call
+        (a torch kernel, a blocking read, a sleep the signal landed beside) would run the second signal's handler
+        only when that call returns. The C-level handler writes each signal's number to the wakeup fd at once, and
+        this thread reads it there.
+        """
+        reader, writer = os.pipe()
+        os.set_blocking(writer, False)
+        try:
+            signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+        except ValueError:  # not the main thread: the handlers above could not be installed either
+            os.close(reader)
+            os.close(writer)
+            return
+        # A forked child (hivemind's DHT and averager processes) inherits the wakeup fd: systemd's SIGTERM to the
+        # whole group would then count once per process here. The child forgets it.
+        os.register_at_fork(after_in_child=lambda: _forget_wakeup_fd(reader, writer))
+        threading.Thread(target=self._exit_at_the_second, args=(reader,), name="second-signal", daemon=True).start()
+
+    def _exit_at_the_second(self, reader: int) -> None:
+        seen = 0
+        while data := os.read(reader, 64):
+            for signum in data:
+                if signum in EXIT_CODES:
+                    seen += 1
+                    if seen >= 2:
+                        self._exit_now(signum)
+
+    def _exit_now(self, signum: int) -> None:
+        print(f"{self.what}: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
+        os._exit(EXIT_CODES.get(signum, 128 + signum))
 
     @property
     def requested(self) -> bool:
@@ -75,8 +110,7 @@ class GracefulStop:
 
     def _handle(self, signum: int, frame: object) -> None:
         if self.signum is not None:
-            print(f"{self.what}: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
-            os._exit(EXIT_CODES.get(signum, 128 + signum))
+            self._exit_now(signum)
         self.signum = signum
         self._event.set()
         if self.hard_after_s is not None:
@@ -90,3 +124,9 @@ class GracefulStop:
             file=sys.stderr,
             flush=True,
         )
+
+
+def _forget_wakeup_fd(*fds: int) -> None:
+    signal.set_wakeup_fd(-1)
+    for fd in fds:
+        os.close(fd)
