@@ -23,6 +23,7 @@ from hivemind.utils import get_dht_time
 from p2p_diloco.diloco.staleness import StalenessRule
 from p2p_diloco.net.averager import PseudoGradientAverager, StateProvider
 from p2p_diloco.net.codecs import schema_hash_with_codec
+from p2p_diloco.net.declarations import DeclarationClock
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
@@ -127,7 +128,7 @@ class GossipExchange:
         _start_keeping_sigint(self.averager)
         self.min_matchmaking_time, self.size, self.target_group_size = min_matchmaking_time, size, target_group_size
         self._schema_tag, self._group_target = None, target_group_size
-        self._part_bytes: int | None = None
+        self._part_bytes, self._declarations = None, DeclarationClock()
         self.result_timeout = allreduce_timeout + RESULT_MARGIN_S
 
     @property
@@ -161,32 +162,25 @@ class GossipExchange:
             tensors[0][: values.numel()].copy_(values)
             tensors[0][values.numel() :].zero_()
         result = ExchangeResult(merged=None, grace_window_s=grace_s)
-        gathered = None
+        gathered = scheduled = None
         try:
-            grace_s = max(grace_s, self.min_matchmaking_time)
             if self._part_bytes is not None:  # how fast this island moved parts last time: sizes the group's parts
                 metadata = {**metadata, PART_GATHER_KEY: self._part_bytes}
-            control = self.averager.step(
-                gather=metadata,
-                weight=weight,
-                scheduled_time=get_dht_time() + grace_s,
-                timeout=max(timeout, grace_s + STEP_MARGIN_S),
-                allow_retries=True,
-                wait=False,
-            )
+            now = get_dht_time()
+            scheduled = self._declarations.schedule(now, max(grace_s, self.min_matchmaking_time))
+            timeout = max(timeout, scheduled - now + STEP_MARGIN_S)
+            step = dict(scheduled_time=scheduled, timeout=timeout, allow_retries=True, wait=False)
+            control = self.averager.step(gather=metadata, weight=weight, **step)
             while not control.done() and control.stage != AveragingStage.RUNNING_ALLREDUCE:
                 time.sleep(STAGE_POLL_S)  # the stage lives in shared memory; hivemind offers no event for it
             result.matchmaking_s = time.monotonic() - start
             gathered = control.result(timeout=self.result_timeout)
         except Exception as error:  # hivemind raises assorted errors for a failed round: all mean "discard"
             result.error = f"{type(error).__name__}: {error}"
-        if gathered and len(gathered) > 1:
-            with self.averager.get_tensors() as tensors:
-                result.merged = tensors[0][: values.numel()].clone()
-            ours = self.averager.peer_id
-            result.partners = {peer.to_base58(): data for peer, data in gathered.items() if peer != ours}
-        elif result.error is None:
-            result.error = "no partner within the window"
+        finally:
+            if scheduled is not None:
+                self._declarations.ended(scheduled, get_dht_time(), self.min_matchmaking_time, now + timeout)
+        self._take_merge(result, gathered, values.numel())
         result.wait_s = time.monotonic() - start
         result.bytes_sent, result.bytes_recv, result.streams_repaired, result.lanes = (
             after - before for after, before in zip(self._counters(), counters)
@@ -194,6 +188,16 @@ class GossipExchange:
         if result.merged is not None:
             self._part_bytes = part_bytes_per_window(result.bytes_sent, result.wait_s - result.matchmaking_s)
         return result
+
+    def _take_merge(self, result: ExchangeResult, gathered: dict | None, numel: int) -> None:
+        """Copy the group's average and partners into `result`, or say why there is none."""
+        if gathered and len(gathered) > 1:
+            with self.averager.get_tensors() as tensors:
+                result.merged = tensors[0][:numel].clone()
+            ours = self.averager.peer_id
+            result.partners = {peer.to_base58(): data for peer, data in gathered.items() if peer != ours}
+        elif result.error is None:
+            result.error = "no partner within the window"
 
     def _configure_round(self, schema_tag: int | None, group_target: int) -> None:
         """Tell the averager what this round matches on (a fragment) and the group size that starts at once."""
