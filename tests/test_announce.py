@@ -79,3 +79,32 @@ def test_a_dashboard_polling_between_announces_sees_every_round_of_the_short_his
         rounds = [entry[0] for entry in seen.snapshot()["islands"][0]["history"]]
         assert rounds == list(range(1, 41)), f"announcing every {every} rounds"
         assert len(progress.history()) == kept < 40
+
+
+def test_the_state_donor_priority_changes_at_most_twice_per_declare_period(monkeypatch) -> None:
+    # hivemind re-declares a donor in the DHT on every change of priority: once per round was a third of the stores
+    from p2p_diloco.net import exchange as exchange_module
+
+    class Averager:
+        client_mode, declare_state_period = False, 10.0
+
+        def __init__(self) -> None:
+            self.declared: list[float] = []
+
+        @property
+        def state_sharing_priority(self) -> float:
+            return self.declared[-1]
+
+        @state_sharing_priority.setter
+        def state_sharing_priority(self, value: float) -> None:
+            self.declared.append(value)
+
+    clock = FakeClock()
+    monkeypatch.setattr(exchange_module.time, "monotonic", clock)
+    exchange = object.__new__(exchange_module.GossipExchange)
+    exchange.averager = Averager()
+    exchange._priority_set_at = float("-inf")
+    for step in range(1, 31):  # a round every second
+        clock.now = float(step)
+        exchange.set_state_priority(float(step))
+    assert exchange.averager.declared == [1.0, 6.0, 11.0, 16.0, 21.0, 26.0]

@@ -127,7 +127,7 @@ class GossipExchange:
         self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec, PROTOCOL_VERSION)
         _start_keeping_sigint(self.averager)
         self.min_matchmaking_time, self.size, self.target_group_size = min_matchmaking_time, size, target_group_size
-        self._schema_tag, self._group_target = None, target_group_size
+        self._schema_tag, self._group_target, self._priority_set_at = None, target_group_size, float("-inf")
         self._part_bytes, self._declarations = None, DeclarationClock()
         self.result_timeout = allreduce_timeout + RESULT_MARGIN_S
 
@@ -230,9 +230,21 @@ class GossipExchange:
         )
 
     def set_state_priority(self, priority: float) -> None:
-        """Higher priority makes this island the preferred donor for late joiners (client mode shares no state)."""
-        if not self.averager.client_mode:
-            self.averager.state_sharing_priority = priority
+        """The priority hivemind declares this island's state with (client mode shares no state), at most twice per
+        declare period.
+
+        hivemind re-declares a donor (a DHT store, after a look-up of the key's nearest nodes) whenever its priority
+        changes; the island's priority is its outer step, so that was one declare per round: 56 of the 206 DHT
+        stores of a 4-island swarm (12 rounds, tiny model). Joiners do not rank donors by it (`state_transfer` asks
+        a random few for their step and digest), so a priority half a period old costs nothing. Half, not a whole
+        one: hivemind's own re-declare comes only as the last one expires, and a donor is unlisted until that store
+        lands (seconds on a loaded machine, and islands that started together expire together).
+        """
+        now = time.monotonic()
+        if self.averager.client_mode or now - self._priority_set_at < self.averager.declare_state_period / 2:
+            return
+        self._priority_set_at = now
+        self.averager.state_sharing_priority = priority
 
     def shutdown(self) -> None:
         """Stop the averager process."""
