@@ -52,29 +52,11 @@ class GracefulStop:
         Python runs signal handlers in the main thread only, between bytecodes: a main thread inside one long C call
         (a torch kernel, a blocking read, a sleep the signal landed beside) would run the second signal's handler
         only when that call returns. The C-level handler writes each signal's number to the wakeup fd at once, and
-        this thread reads it there.
+        this process's watcher thread reads it there for the latest installed stop.
         """
-        reader, writer = os.pipe()
-        os.set_blocking(writer, False)
-        try:
-            signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
-        except ValueError:  # not the main thread: the handlers above could not be installed either
-            os.close(reader)
-            os.close(writer)
-            return
-        # A forked child (hivemind's DHT and averager processes) inherits the wakeup fd: systemd's SIGTERM to the
-        # whole group would then count once per process here. The child forgets it.
-        os.register_at_fork(after_in_child=lambda: _forget_wakeup_fd(reader, writer))
-        threading.Thread(target=self._exit_at_the_second, args=(reader,), name="second-signal", daemon=True).start()
-
-    def _exit_at_the_second(self, reader: int) -> None:
-        seen = 0
-        while data := os.read(reader, 64):
-            for signum in data:
-                if signum in EXIT_CODES:
-                    seen += 1
-                    if seen >= 2:
-                        self._exit_now(signum)
+        watcher = _WakeupWatcher.for_this_process()
+        if watcher is not None:
+            watcher.watch(self)
 
     def _exit_now(self, signum: int) -> None:
         print(f"{self.what}: {signal.Signals(signum).name} again: stopping now", file=sys.stderr, flush=True)
@@ -126,7 +108,62 @@ class GracefulStop:
         )
 
 
-def _forget_wakeup_fd(*fds: int) -> None:
-    signal.set_wakeup_fd(-1)
-    for fd in fds:
-        os.close(fd)
+class _WakeupWatcher:
+    """The process's one wakeup-fd pipe and the thread that reads it; never closed, so its fds stay its own."""
+
+    _current: _WakeupWatcher | None = None
+
+    def __init__(self, reader: int, writer: int):
+        self.reader, self.writer = reader, writer
+        self.stop: GracefulStop | None = None
+        self.seen = 0
+
+    @classmethod
+    def for_this_process(cls) -> _WakeupWatcher | None:
+        """The watcher (started on first use), with the wakeup fd pointed at it; None outside the main thread."""
+        if cls._current is None:
+            reader, writer = os.pipe()
+            os.set_blocking(writer, False)
+            try:
+                signal.set_wakeup_fd(writer, warn_on_full_buffer=False)
+            except ValueError:  # not the main thread: the handlers could not be installed either
+                os.close(reader)
+                os.close(writer)
+                return None
+            cls._current = cls(reader, writer)
+            # A forked child (hivemind's DHT and averager processes) inherits the wakeup fd: systemd's SIGTERM to
+            # the whole group would then count once per process here. The child forgets it.
+            os.register_at_fork(after_in_child=cls._forget_in_child)
+            threading.Thread(target=cls._current._read, name="second-signal", daemon=True).start()
+        else:
+            try:  # asyncio's add_signal_handler may have pointed the wakeup fd elsewhere since
+                signal.set_wakeup_fd(cls._current.writer, warn_on_full_buffer=False)
+            except ValueError:
+                return None
+        return cls._current
+
+    def watch(self, stop: GracefulStop) -> None:
+        """Count stop signals for `stop` from now on."""
+        self.stop, self.seen = stop, 0
+
+    def _read(self) -> None:
+        while data := os.read(self.reader, 64):
+            for signum in data:
+                if signum in EXIT_CODES and self.stop is not None:
+                    self.seen += 1
+                    if self.seen >= 2:
+                        self.stop._exit_now(signum)
+
+    @classmethod
+    def _forget_in_child(cls) -> None:
+        watcher, cls._current = cls._current, None
+        if watcher is None:
+            return
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous != watcher.writer:  # not ours any more: leave it as it was
+                signal.set_wakeup_fd(previous)
+        except ValueError:
+            pass
+        os.close(watcher.reader)
+        os.close(watcher.writer)

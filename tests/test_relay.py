@@ -177,3 +177,29 @@ def test_the_first_signal_asks_the_second_stops_at_once(sig: int, code: int) -> 
         finally:
             slow.kill()
             slow.wait()
+
+
+FORKING = """
+import multiprocessing, os, signal, subprocess, sys
+from p2p_diloco.signals import GracefulStop
+stop = GracefulStop("probe").install()
+
+def child():
+    os.kill(os.getpid(), signal.SIGTERM)  # a hivemind child's own signal: never the parent's second one
+    pipes = [os.pipe() for _ in range(3)]  # fd numbers the parent's watcher holds, free in this child
+    for reader, writer in pipes:  # p2pd is started like this, from hivemind's forked DHT process
+        subprocess.run([sys.executable, "-c", "print(1)"], stdout=writer, preexec_fn=lambda: None, check=True)
+
+with stop.deferred():
+    for _ in range(2):
+        process = multiprocessing.get_context("fork").Process(target=child)
+        process.start()
+        process.join()
+        assert process.exitcode == 0, process.exitcode
+    print("alive", stop.requested, flush=True)
+"""
+
+
+def test_forked_children_neither_count_as_a_second_signal_nor_lose_their_fds() -> None:
+    done = subprocess.run([sys.executable, "-c", FORKING], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["alive", "False"], done.stderr[-2000:]
