@@ -371,3 +371,26 @@ def test_parts_shrink_to_the_slowest_members_measured_rate_and_ignore_garbage() 
     for garbage in (["x"], [True], [-5], [float("nan")], [0], [{}]):
         assert part_size_for([vector], 2, fp32, garbage) == fast, garbage
     assert part_bytes_per_window(0, 1.0) is None and part_bytes_per_window(10, 0.0) is None
+
+
+def test_a_poisoned_part_dooms_the_round_at_once() -> None:
+    # A reducer that lost a sender returns NaN parts: the round will be discarded whatever else arrives, so the
+    # member stops waiting for slower (perhaps frozen) reducers once its grace runs out.
+    import asyncio
+
+    import torch
+
+    from p2p_diloco.net.allreduce import StrictAllReduceRunner
+
+    registered = []
+
+    class Container:
+        def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor) -> None:
+            registered.append((peer_index, part_index))
+
+    runner = object.__new__(StrictAllReduceRunner)
+    runner.doomed, runner.tensor_part_container, runner.ordered_peer_ids = asyncio.Event(), Container(), ["a", "b"]
+    runner._register_part(0, 0, torch.full((4,), 3e38))  # overflows its sum, yet every value is finite
+    assert not runner.doomed.is_set()
+    runner._register_part(1, 0, torch.tensor([1.0, float("nan")]))
+    assert runner.doomed.is_set() and registered == [(0, 0), (1, 0)]

@@ -105,7 +105,7 @@ class LanePartsMixin:
                 kind, _, payload = await asyncio.wait_for(lane.receive(part_index, limit), self.reducer_timeout)
                 self.byte_counters.add(received=len(payload))
                 averaged, _ = await self._decode_lane_part(kind, payload, numel)
-                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                self._register_part(peer_index, part_index, averaged)
                 part_index += 1
         except (LaneError, OSError, asyncio.TimeoutError) as error:
             logger.info(f"direct lane from reducer {peer_id} broke after {part_index} parts: {error!r}")
