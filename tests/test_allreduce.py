@@ -326,7 +326,7 @@ def test_a_member_frozen_mid_round_gives_up_once_a_reducer_failed(members: Membe
     # It wakes either to its reducer's failure (and gives up once the chunk timeout passes) or, on a loaded machine,
     # to the others' results streams already closed (a partial result, discarded at once): never the full timeout.
     text = log.read_text()
-    assert "gave up on the rest of the round" in text or "% results" in text, text[-2000:]
+    assert any(sign in text for sign in ("gave up on the rest", "the round is lost", "% results")), text[-2000:]
     assert waited < 20, f"the woken member waited {waited:.0f} s for a round it had lost: the all-reduce timeout"
 
 

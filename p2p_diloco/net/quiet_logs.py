@@ -11,7 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
-_ROUND_FAILURES = ("could not find a group", "Unable to run All-Reduce", "partial all-reduce", "caught ")
+_ROUND_FAILURES = (
+    "could not find a group",
+    "Unable to run All-Reduce",
+    "partial all-reduce",
+    "caught ",
+    "gave up on the rest of the round",
+)
 
 
 class _DemoteRoundFailures(logging.Filter):
