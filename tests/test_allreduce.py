@@ -390,7 +390,8 @@ def test_a_poisoned_part_dooms_the_round_at_once() -> None:
 
     runner = object.__new__(StrictAllReduceRunner)
     runner.doomed, runner.tensor_part_container, runner.ordered_peer_ids = asyncio.Event(), Container(), ["a", "b"]
+    runner.poisoned = False
     runner._register_part(0, 0, torch.full((4,), 3e38))  # overflows its sum, yet every value is finite
-    assert not runner.doomed.is_set()
+    assert not runner.doomed.is_set() and not runner.poisoned
     runner._register_part(1, 0, torch.tensor([1.0, float("nan")]))
-    assert runner.doomed.is_set() and registered == [(0, 0), (1, 0)]
+    assert runner.doomed.is_set() and runner.poisoned and registered == [(0, 0), (1, 0)]

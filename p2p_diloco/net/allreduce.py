@@ -123,6 +123,8 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         self.doomed = asyncio.Event()
         """Set once a reducer failed or sent a poisoned part: this member will discard the round whatever else
         arrives."""
+        self.poisoned = False
+        """True once a registered averaged part held NaN or inf (every part is checked as it is registered)."""
 
     async def average_into(self, tensors: Sequence[torch.Tensor], grace: float) -> None:
         """Run the all-reduce, writing the averages into `tensors`. Once a reducer has failed or sent a poisoned
@@ -222,8 +224,9 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         """Register a reducer's averaged part. A poisoned one (its reducer lost a sender) dooms the round at once:
         it will be discarded whatever else arrives, and waiting on for a frozen reducer held every survivor of a
         freeze about 5 s longer (benchmarks/chaos.py: 11.4 s rounds)."""
-        if not self.doomed.is_set() and not _finite(averaged):
+        if not self.poisoned and not _finite(averaged):
             logger.info(f"reducer {self.ordered_peer_ids[peer_index]} sent a poisoned part: the round is lost")
+            self.poisoned = True
             self.doomed.set()
         self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
 
