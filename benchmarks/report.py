@@ -208,6 +208,20 @@ def bandwidth(data: dict) -> str:
     )
 
 
+def sparse_horizon(data: dict) -> str:
+    """Eval loss per round of topk against fp32, and how many rounds topk trails."""
+    curves, behind = data["eval_loss_by_round"], data["topk_rounds_behind"]
+    rows = [
+        [index + 1, curves["fp32"][index], curves["topk"][index], curves["topk"][index] / curves["fp32"][index], lag]
+        for index, lag in enumerate(behind)
+    ]
+    return (
+        f"{data['islands']} islands, H = {data['H']}, {data['model']} model, seed {data['seed']}, in one process with "
+        "the swarm's codec, error feedback and outer optimizers.\n\n"
+        + _table(["round", "fp32 eval", "topk eval", "topk / fp32", "rounds behind fp32"], rows)
+    )
+
+
 def chatter(data: dict) -> str:
     """Chatter per island-round by what it served, and the top-k payload beside it."""
     rows = [[what, round(size / 1000, 2)] for what, size in data["chatter_by_what"].items()]
@@ -304,6 +318,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("simulator", "Simulated goodput at scale", simulator),
     ("decoupled", "Decoupled merging with a 3x slower island", decoupled),
     ("bandwidth", "Bandwidth vs data-parallel", bandwidth),
+    ("sparse_horizon", "Top-k against fp32 over more rounds", sparse_horizon),
     ("chatter", "Where the chatter goes", chatter),
     ("utilization", "Compute utilization on a slow link", utilization),
     ("attacks", "Attacks on a swarm, defences off and on", attacks),

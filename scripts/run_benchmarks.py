@@ -18,9 +18,10 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SKIPPED = {"report.py"}
-ON_REQUEST = {"attacks.py"}
+ON_REQUEST = {"attacks.py", "sparse_horizon.py"}
 """Run only with --all or --only: the attack table (23 swarms, about 11 minutes) measures defences, not speed or
-quality, and changes only when they do; BENCHMARKS.md keeps showing its last run, dated."""
+quality, and changes only when they do; the top-k horizon (about 7 minutes) changes only with the codec.
+BENCHMARKS.md keeps showing their last run, dated."""
 
 
 def scripts(only: list[str] | None, everything: bool = False) -> list[Path]:

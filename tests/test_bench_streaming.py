@@ -1,4 +1,4 @@
-"""The bandwidth and utilization benchmarks' smoke modes, so they cannot silently rot."""
+"""The bandwidth, sparse-horizon and utilization benchmarks' smoke modes, so they cannot silently rot."""
 
 from __future__ import annotations
 
@@ -32,10 +32,21 @@ def test_bandwidth_benchmark_smoke(tmp_path: Path) -> None:
     assert set(ratios) == {"fp32", "int8", "topk"} == set(result["tcp_over_payload"])
     # 2 islands send about 1 value per value and round; int8 about a quarter of fp32's bytes
     assert ratios["fp32"] > 1 and 3.0 < ratios["int8"] / ratios["fp32"] < 4.1, ratios
-    assert ratios["topk"] / ratios["fp32"] > 30, ratios  # 2% of the values at about 11 bits each
+    assert ratios["topk"] / ratios["fp32"] > 30, ratios  # 2% of the values at about 10 bits each
     for row in result["rows"]:
         assert row["merged_rounds"] > 0 and row["transport_bytes_per_token"] > row["payload_bytes_per_token"]
     assert (tmp_path / "bandwidth-smoke.png").stat().st_size > 0
+
+
+def test_sparse_horizon_benchmark_smoke(tmp_path: Path) -> None:
+    completed = _run("sparse_horizon.py", tmp_path, "--rounds", "2")
+    assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
+    result = json.loads((tmp_path / "sparse_horizon-smoke.json").read_text())
+    curves = result["eval_loss_by_round"]
+    assert set(curves) == {"fp32", "topk"} and all(len(losses) == 2 for losses in curves.values())
+    assert result["final_eval_loss"]["fp32"] < result["final_eval_loss"]["topk"]  # 2 rounds of 2% cannot catch up
+    assert len(result["topk_rounds_behind"]) == 2
+    assert (tmp_path / "sparse_horizon-smoke.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_utilization_benchmark_smoke(tmp_path: Path) -> None:

@@ -392,6 +392,6 @@ def test_bits_per_value_table() -> None:
         "int8": 8.125,
         "int4": 4.25,
         "int2": 2.25,
-        "topk": 0.02 * 11.1,
+        "topk": 0.02 * 9.6,
     }
     assert math.isclose(32 / bits_per_value("int4"), 7.53, rel_tol=1e-3)

@@ -7,8 +7,8 @@
     int8   bitsandbytes' blockwise dynamic 8-bit, blocks 256  8 + 32/256 (one fp32 absmax per block)
     int4   NormalFloat4 (QLoRA's levels), blocks of 128       4 + 32/128
     int2   2-bit Lloyd-Max levels of a Gaussian, blocks 128   2 + 32/128 (one fp32 RMS per block)
-    topk   the nonzeros of a top-k sparsified vector          about 11 per nonzero (2-bit values, varint gaps
-           (`p2p_diloco.diloco.sparse`)                       under 128): 0.22 per value at 2% density
+    topk   the nonzeros of a top-k sparsified vector          about 9.6 per nonzero (2-bit values, Rice-coded
+           (`p2p_diloco.diloco.sparse`)                       gaps): 0.19 per value at 2% density
 
 Every codec decodes to fp32. NaN survives every codec, and int8/int4 turn a whole block holding NaN or inf into
 NaN, so a poisoned reduction (the strict all-reduce marks one with NaN) stays poisoned after re-encoding
@@ -322,7 +322,7 @@ class TopKSparse(Quantizer):
     """
 
     name, block_size = "topk", 0
-    bits_per_value = 0.02 * 11.1  # nominal: 2% density, 2-bit values, gaps under 128
+    bits_per_value = 0.02 * 9.6  # nominal: 2% density, 2-bit values, Rice-coded gaps
     value_bits = 2
     """Bits per nonzero value for what this process encodes (decoding reads them from the payload)."""
 

@@ -1,0 +1,137 @@
+"""How many rounds codec topk needs to catch up with fp32: eval loss per round of both, at H = 100, 4 islands.
+
+`bandwidth.py` trains 2 rounds at H = 100, where topk's 2% of each pseudo-gradient (error feedback holding the
+rest) cannot have moved the model far: its eval loss there is far above fp32's. This script trains the same
+4 islands for more rounds in one process, with the swarm's own pieces (inner AdamW, `topk_sparsify`, the wire
+format both ways, `ErrorFeedback`, the reducer re-encoding the merge, the outer optimizers each codec defaults
+to: fp32 Nesterov 0.7 / 0.9, topk SGD lr 1) and a quorum-4 mean, so that no network time is spent; its round-2
+losses match the swarm runs of `bandwidth.py` (fp32 2.66 vs 2.66-2.70, topk 4.57 vs 4.54-4.60 at seed 0).
+
+    python benchmarks/sparse_horizon.py           # default model, 16 rounds, seed 0 (about 7 minutes)
+    python benchmarks/sparse_horizon.py --quick   # tiny model, 16 rounds (well under a minute)
+    python benchmarks/sparse_horizon.py --smoke   # tiny model, 3 rounds (used by the tests)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from lib.common import TINY, benchmark_parser, provenance, write_result
+
+from p2p_diloco.config import load_config
+from p2p_diloco.diloco.error_feedback import ErrorFeedback
+from p2p_diloco.diloco.inner import make_inner_optimizer, run_inner_steps
+from p2p_diloco.diloco.outer import OuterOptimizer, assign_parameters_, flatten_parameters
+from p2p_diloco.diloco.quantize import quantizer
+from p2p_diloco.diloco.sparse import topk_sparsify
+from p2p_diloco.train.data import BatchStream, data_seed, evaluate, load_shards
+from p2p_diloco.train.model import build_model
+
+ISLANDS, H, DENSITY = 4, 100, 0.02
+OUTER = {"fp32": (0.7, 0.9), "topk": (1.0, 0.0)}
+"""Each codec's default outer optimizer (lr, Nesterov momentum): p2p_diloco.config and its SPARSE_OUTER."""
+
+
+def train(codec: str, rounds: int, seed: int, tiny: bool, eval_batches: int) -> list[float]:
+    """Eval loss of the anchor after every round of 4 islands exchanging `codec` pseudo-gradients."""
+    config = load_config(TINY if tiny else None)
+    shards, seq_len, train_config = load_shards(config.data), config.model.seq_len, config.train
+    models = [build_model(config.model, seed=seed) for _ in range(ISLANDS)]
+    optimizers = [
+        make_inner_optimizer(m, train_config.lr, train_config.weight_decay, train_config.warmup_steps) for m in models
+    ]
+    streams = [
+        BatchStream(shards.train_shard(i, ISLANDS), 8, seq_len, seed=data_seed(seed, i, "")) for i in range(ISLANDS)
+    ]
+    feedback = [ErrorFeedback() for _ in range(ISLANDS)]
+    wire = quantizer(codec)
+    lr, momentum = OUTER[codec]
+    outer = OuterOptimizer(flatten_parameters(models[0].parameters()), lr=lr, momentum=momentum)
+    losses = []
+    for round_number in range(rounds):
+        anchor = outer.anchor.data.clone()
+        sent = []
+        for model, (optimizer, scheduler), stream, residual in zip(models, optimizers, streams, feedback):
+            run_inner_steps(model, optimizer, scheduler, stream.next_batch, H, grad_clip=train_config.grad_clip)
+            delta = anchor - flatten_parameters(model.parameters())
+            if codec == "topk":
+                compensated = residual.compensate(delta)
+                delta = wire.round_trip(topk_sparsify(compensated, DENSITY))
+                residual.update(delta, compensated)
+            sent.append(delta)
+        merged = wire.round_trip(torch.stack(sent).mean(dim=0))  # the reducers send the merge back encoded
+        new_anchor = outer.step(merged)
+        for model in models:
+            assign_parameters_(model.parameters(), new_anchor)
+        losses.append(evaluate(models[0], shards.eval, seq_len, 8, eval_batches))
+        print(f"{codec:<5} seed {seed} round {round_number + 1:>3}/{rounds}: eval loss {losses[-1]:.4f}", flush=True)
+    return losses
+
+
+def rounds_behind(sparse: list[float], dense: list[float]) -> list[int | None]:
+    """For every round of topk, how many rounds earlier fp32 had reached its loss (None: fp32 never was that high)."""
+    behind = []
+    for index, loss in enumerate(sparse):
+        first = next((r for r, value in enumerate(dense) if value <= loss), None)
+        behind.append(None if first is None else index - first)
+    return behind
+
+
+def plot(curves: dict[str, list[float]], path) -> None:
+    """Eval loss per round, fp32 against topk."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for codec, losses in curves.items():
+        axes.plot(range(1, len(losses) + 1), losses, marker="o", label=codec)
+    axes.set_xlabel(f"round (H = {H}, {ISLANDS} islands)")
+    axes.set_ylabel("eval loss of the anchor")
+    axes.set_title("topk (2%, 2-bit, error feedback) against fp32")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Train both codecs, print and write the curves and how far topk trails."""
+    parser = benchmark_parser(__doc__, quick="tiny model, 16 rounds", smoke="tiny model, 3 rounds (used by the tests)")
+    parser.add_argument("--rounds", type=int, help="outer rounds (default 16; --smoke 3)")
+    parser.add_argument("--seed", type=int, default=0, help="model-init and batch-order seed")
+    args = parser.parse_args(argv)
+    tiny = args.quick or args.smoke
+    rounds = args.rounds or (3 if args.smoke else 16)
+    torch.set_num_threads(1)
+    started = time.monotonic()
+    curves = {codec: train(codec, rounds, args.seed, tiny, 2 if tiny else 16) for codec in OUTER}
+    behind = rounds_behind(curves["topk"], curves["fp32"])
+    final = {codec: losses[-1] for codec, losses in curves.items()}
+    result = {
+        "islands": ISLANDS,
+        "H": H,
+        "topk_density": DENSITY,
+        "rounds": rounds,
+        "seed": args.seed,
+        "model": "tiny" if tiny else "default",
+        "eval_loss_by_round": curves,
+        "final_eval_loss": final,
+        "topk_over_fp32": final["topk"] / final["fp32"],
+        "topk_rounds_behind": behind,
+        "wall_s": time.monotonic() - started,
+        **provenance("sparse_horizon.py", argv),
+    }
+    name = "sparse_horizon-smoke" if args.smoke else "sparse_horizon"
+    path = write_result(args.out, name, result)
+    plot(curves, args.out / f"{name}.png")
+    print(f"topk / fp32 after {rounds} rounds: {result['topk_over_fp32']:.3f}; rounds behind fp32: {behind}")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
