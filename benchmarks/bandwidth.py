@@ -14,7 +14,8 @@ per step (P parameters, fp32), so
 `transport_ratio_vs_data_parallel` counts TCP bytes instead of payload bytes, and `tcp_over_payload` is TCP
 bytes over payload bytes (framing, encryption, DHT and matchmaking chatter on top of the payload).
 
-    python benchmarks/bandwidth.py           # H = 100 x 7 codecs (3 seeds: fp32 int2 topk), H = 50 x 3 (9 min)
+    python benchmarks/bandwidth.py           # H = 100 x 7 codecs (3 seeds: fp32 int2 topk), H = 50 x 3, topk on a
+                                             # 4x wider model (`tcp_over_payload_steady_wide`) (11 min)
     python benchmarks/bandwidth.py --quick   # H = 100 only, tiny model, 1 seed, fp32 int8 int4 topk
     python benchmarks/bandwidth.py --smoke   # fp32, int8 and topk, 2 islands, tiny model (used by the tests)
 """
@@ -37,15 +38,31 @@ SEEDED = ["fp32", "int2", "topk"]
 others, whose loss is within 1% of fp32's on one seed, run seed 0 only: 20 swarms instead of 28)."""
 
 
-def run_name(codec: str, inner_steps: int, seed: int) -> str:
+WIDE = ["--d-model", "256"]
+"""The wider model of the `wide` rows (about 1.7M parameters, 4x the default's): chatter is a fixed cost per round,
+so TCP / payload falls as the payload grows; these rows show where top-k's crosses 1.5."""
+WIDE_CODECS = ("topk",)
+WIDE_FIGURES = ("parameters", "tcp_over_payload_steady", "payload_bytes_per_round", "chatter_bytes_per_round")
+
+
+def run_name(codec: str, inner_steps: int, seed: int, wide: bool = False) -> str:
     """The swarm's run id, also its folder under bandwidth-runs/."""
-    return f"bandwidth-h{inner_steps}-{codec}" + (f"-seed{seed}" if seed else "")
+    return f"bandwidth-h{inner_steps}-{codec}" + (f"-seed{seed}" if seed else "") + ("-wide" if wide else "")
 
 
-def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path, seed: int = 0) -> dict:
-    """One swarm with one codec, H and seed; returns its row."""
-    name = run_name(codec, inner_steps, seed)
+def run_one(
+    codec: str,
+    inner_steps: int,
+    outer_steps: int,
+    args: argparse.Namespace,
+    out: Path,
+    seed: int = 0,
+    wide: bool = False,
+) -> dict:
+    """One swarm with one codec, H and seed (on the wider model with `wide`); returns its row."""
+    name = run_name(codec, inner_steps, seed, wide)
     flags = ["--inner-steps", str(inner_steps), "--outer-steps", str(outer_steps), "--codec", codec]
+    flags += WIDE if wide else []
     flags += ["--seed", str(seed)]
     flags += ["--num-shards", str(args.islands), "--quorum", str(args.islands)]
     flags += ["--target-group-size", str(args.islands), "--averaging-timeout", "120", "--batch-size", "8"]
@@ -60,15 +77,17 @@ def run_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Names
         per_island=lambda index: ["--shard-index", str(index)],
         timeout=args.timeout,
     )
-    return make_row(codec, inner_steps, outer_steps, seed, args, records, exit_codes, wall)
+    return make_row(codec, inner_steps, outer_steps, seed, args, records, exit_codes, wall, wide)
 
 
-def rescan_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path, seed: int) -> dict:
+def rescan_one(
+    codec: str, inner_steps: int, outer_steps: int, args: argparse.Namespace, out: Path, seed: int, wide: bool = False
+) -> dict:
     """The row of a swarm that already ran, rebuilt from its metrics files (exit codes and wall time from
     the previous result file, when it has the row)."""
     from p2p_diloco.train.metrics import read_metrics
 
-    folder = out / run_name(codec, inner_steps, seed)
+    folder = out / run_name(codec, inner_steps, seed, wide)
     records = {path.stem: read_metrics(path) for path in sorted(folder.glob("island-*.jsonl"))}
     if not records:
         raise SystemExit(f"bandwidth.py --rescan: no metrics in {folder}; run the grid first")
@@ -76,13 +95,12 @@ def rescan_one(codec: str, inner_steps: int, outer_steps: int, args: argparse.Na
         (
             row
             for row in args.previous_rows
-            if (row["codec"], row["H"], row.get("seed", 0)) == (codec, inner_steps, seed)
+            if (row["codec"], row["H"], row.get("seed", 0), row.get("wide", False)) == (codec, inner_steps, seed, wide)
         ),
         {},
     )
-    return make_row(
-        codec, inner_steps, outer_steps, seed, args, records, previous.get("exit_codes", []), previous.get("wall_s")
-    )
+    codes, wall = previous.get("exit_codes", []), previous.get("wall_s")
+    return make_row(codec, inner_steps, outer_steps, seed, args, records, codes, wall, wide)
 
 
 def steady_state(recs: list[dict]) -> tuple[float, float, int]:
@@ -101,9 +119,10 @@ def make_row(
     records: dict[str, list[dict]],
     exit_codes: list,
     wall: float | None,
+    wide: bool = False,
 ) -> dict:
     """One swarm's figures from its islands' metrics records."""
-    config = load_config(TINY if args.tiny else None)
+    config = load_config(TINY if args.tiny else None, {"model.d_model": 256} if wide else None)
     parameters = count_parameters(build_model(config.model, seed=0))
     tokens_per_step = 8 * config.model.seq_len
     dp_bytes_per_token = 2 * parameters * 4 / tokens_per_step
@@ -132,6 +151,7 @@ def make_row(
         "codec": codec,
         "H": inner_steps,
         "seed": seed,
+        "wide": wide,
         "outer_steps": outer_steps,
         "islands": args.islands,
         "parameters": parameters,
@@ -153,7 +173,8 @@ def make_row(
         "wall_s": wall,
     }
     print(
-        f"H={inner_steps:<4} seed {seed} {codec:<5} payload {per_token:8.2f} B/token  ratio vs DP "
+        f"H={inner_steps:<4} seed {seed} {codec:<5}{' wide' if wide else ''} payload {per_token:8.2f} B/token  "
+        "ratio vs DP "
         f"{row['ratio_vs_data_parallel'] or 0:7.1f}x  (TCP {row['transport_ratio_vs_data_parallel'] or 0:6.1f}x)  "
         f"eval {row['final_eval_loss'] or float('nan'):.4f}  {wall:.0f}s",
         flush=True,
@@ -204,7 +225,7 @@ def mean_rows(rows: list[dict], h: int) -> dict[str, dict]:
     """Per codec at H = h: each figure's mean over seeds, the seeds, and the final eval's spread."""
     by_codec: dict[str, list[dict]] = {}
     for row in rows:
-        if row["H"] == h:
+        if row["H"] == h and not row.get("wide"):
             by_codec.setdefault(row["codec"], []).append(row)
     means = {}
     for codec, group in by_codec.items():
@@ -249,6 +270,9 @@ def summarise(rows: list[dict], grid: dict[int, int]) -> dict:
         "loss_vs_fp32": {
             c: (row["final_eval_loss"] / fp32_loss - 1.0) if fp32_loss and row["final_eval_loss"] else None
             for c, row in at_target.items()
+        },
+        "tcp_over_payload_steady_wide": {
+            row["codec"]: {key: row[key] for key in WIDE_FIGURES} for row in rows if row.get("wide")
         },
         "by_H": {
             str(h): {figure: {c: row[figure] for c, row in mean_rows(rows, h).items()} for figure in FIGURES}
@@ -319,6 +343,13 @@ def main(argv: list[str] | None = None) -> int:
         for codec in codecs
         if (seed == 0 or codec in args.seeded_codecs) and (h == max(grid) or codec in SHORTER_H_CODECS)
     ]
+    if not (args.quick or args.smoke):  # the wider model, at the largest H, seed 0
+        target_h = max(grid)
+        rows += [
+            (rescan_one if args.rescan else run_one)(codec, target_h, grid[target_h], args, runs, 0, True)
+            for codec in WIDE_CODECS
+            if codec in codecs
+        ]
     if args.codecs and not args.rescan:  # a partial rerun: the other codecs keep their rows
         rows = [row for row in args.previous_rows if row["codec"] not in codecs] + rows
     result = {

@@ -203,6 +203,12 @@ def bandwidth(data: dict) -> str:
         "\n\nTCP / payload counts from each island's start (join and first matchmaking included); the steady state "
         "from the end of its first round."
     )
+    for codec, wide in (data.get("tcp_over_payload_steady_wide") or {}).items():
+        note += (
+            f" On a 4x wider model ({wide['parameters'] / 1e6:.1f}M parameters) {codec}'s TCP / payload at steady "
+            f"state is {wide['tcp_over_payload_steady']:.2f}: {wide['payload_bytes_per_round'] / 1000:.1f} KB of "
+            f"payload and {wide['chatter_bytes_per_round'] / 1000:.1f} KB of chatter per island and round."
+        )
     return (
         (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + _table(header, rows) + note
     )

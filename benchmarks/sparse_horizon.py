@@ -7,8 +7,8 @@ format both ways, `ErrorFeedback`, the reducer re-encoding the merge, the outer 
 to: fp32 Nesterov 0.7 / 0.9, topk SGD lr 1) and a quorum-4 mean, so that no network time is spent; its round-2
 losses match the swarm runs of `bandwidth.py` (fp32 2.66 vs 2.66-2.70, topk 4.57 vs 4.54-4.60 at seed 0).
 
-    python benchmarks/sparse_horizon.py           # default model, 16 rounds, seed 0 (about 7 minutes)
-    python benchmarks/sparse_horizon.py --quick   # tiny model, 16 rounds (well under a minute)
+    python benchmarks/sparse_horizon.py           # default model, 40 rounds, seed 0 (about 17 minutes)
+    python benchmarks/sparse_horizon.py --quick   # tiny model, 40 rounds (about a minute)
     python benchmarks/sparse_horizon.py --smoke   # tiny model, 3 rounds (used by the tests)
 """
 
@@ -100,12 +100,12 @@ def plot(curves: dict[str, list[float]], path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Train both codecs, print and write the curves and how far topk trails."""
-    parser = benchmark_parser(__doc__, quick="tiny model, 16 rounds", smoke="tiny model, 3 rounds (used by the tests)")
-    parser.add_argument("--rounds", type=int, help="outer rounds (default 16; --smoke 3)")
+    parser = benchmark_parser(__doc__, quick="tiny model, 40 rounds", smoke="tiny model, 3 rounds (used by the tests)")
+    parser.add_argument("--rounds", type=int, help="outer rounds (default 40; --smoke 3)")
     parser.add_argument("--seed", type=int, default=0, help="model-init and batch-order seed")
     args = parser.parse_args(argv)
     tiny = args.quick or args.smoke
-    rounds = args.rounds or (3 if args.smoke else 16)
+    rounds = args.rounds or (3 if args.smoke else 40)
     torch.set_num_threads(1)
     started = time.monotonic()
     curves = {codec: train(codec, rounds, args.seed, tiny, 2 if tiny else 16) for codec in OUTER}

@@ -68,3 +68,17 @@ def test_compute_fraction_excludes_evaluation() -> None:
         {"time": 14.0, "round_s": 4.0, "compute_s": 2.0, "eval_s": 1.0},
     ]
     assert compute_fraction(records) == 4.0 / (8.0 - 2.0)
+
+
+def test_bandwidth_keeps_the_wider_model_out_of_the_codec_means() -> None:
+    from bandwidth import FIGURES, summarise
+
+    def row(codec: str, tcp: float, wide: bool = False) -> dict:
+        figures = dict.fromkeys(FIGURES, 1.0) | {"tcp_over_payload_steady": tcp, "final_eval_loss": 2.0}
+        extra = {"parameters": 4 if wide else 1, "payload_bytes_per_round": 10.0}
+        return {"codec": codec, "H": 100, "seed": 0, "wide": wide, "chatter_by_round": [], **figures, **extra}
+
+    result = summarise([row("fp32", 1.1), row("topk", 2.0), row("topk", 1.3, wide=True)], {100: 2})
+    assert result["tcp_over_payload_steady"] == {"fp32": 1.1, "topk": 2.0}
+    assert result["tcp_over_payload_steady_wide"]["topk"]["tcp_over_payload_steady"] == 1.3
+    assert result["tcp_over_payload_steady_wide"]["topk"]["parameters"] == 4
