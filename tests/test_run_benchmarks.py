@@ -40,7 +40,7 @@ def test_every_benchmark_script_is_run_and_the_report_is_not() -> None:
     assert {"quality.py", "exchange.py", "link.py", "bandwidth.py", "chaos.py", "simulator.py"} <= set(names)
     assert "attacks.py" not in names  # on request only
     everything = [path.name for path in scripts(None, everything=True)]
-    assert set(everything) == set(names) | {"attacks.py"}
+    assert set(everything) == set(names) | {"attacks.py", "sparse_horizon.py"}
     assert [path.name for path in scripts(["attacks"])] == ["attacks.py"]
 
 
