@@ -56,7 +56,8 @@ def rice_parameter(gaps: np.ndarray) -> int:
     """The Golomb-Rice parameter k that codes `gaps` in the fewest bits: n * (k + 1) + sum(gaps >> k)."""
     if gaps.size == 0:
         return 0
-    costs = [gaps.size * (k + 1) + int((gaps >> k).sum()) for k in range(MAX_RICE + 1)]
+    widest = min(MAX_RICE, int(gaps.max()).bit_length())  # a larger k only adds remainder bits
+    costs = [gaps.size * (k + 1) + int((gaps >> k).sum()) for k in range(widest + 1)]
     return int(np.argmin(costs))
 
 

@@ -25,9 +25,10 @@ from p2p_diloco.net.record_schema import MAX_EXPIRATION_S, problem
 
 logger = logging.getLogger(__name__)
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The wire protocol of p2p-diloco islands: records, gathered metadata, averaging schema, parts, state transfer.
-Islands of different protocol versions never average and refuse each other at join."""
+Islands of different protocol versions never average and refuse each other at join. 4: top-k positions as
+Golomb-Rice codes instead of varints."""
 RUNS_KEY = "p2p-diloco.runs"
 """DHT key where islands register their run (one subkey per run id): what `p2p-diloco swarms` lists."""
 _OWNER = re.compile(rb"^\[owner:(.+)\]$")
