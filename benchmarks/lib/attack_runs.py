@@ -77,7 +77,10 @@ def merge_attack(folder: Path, attack: str | None, *, defended: bool = True) -> 
     """Two honest islands and a third (hostile when `attack`), 10 outer steps."""
     from p2p_diloco.cli.launcher import LocalSwarm
 
-    extra = [] if defended else UNDEFENDED
+    # Quorum 2: the two honest islands merge with each other every round. With quorum 1 a loaded machine leaves
+    # one island alone for a round or two (merged [10, 8] in one full CI session), which moved its final eval by
+    # 2.2%: noise the size of the band the tests allow, and not the attack's doing.
+    extra = ["--quorum", "2"] + ([] if defended else UNDEFENDED)
     swarm = LocalSwarm(folder, run_id="attacked")
     started = time.monotonic()
     try:
