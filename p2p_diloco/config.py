@@ -26,8 +26,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-# Every interface, TCP only: p2pd's QUIC (quic-v1) lost stream messages between two hosts here (2 of 30 state
-# downloads of 176 KB arrived whole, 30 of 30 over TCP). Add "/ip4/0.0.0.0/udp/0/quic-v1" to --host-maddrs to try it.
+# Every interface, TCP only: p2pd's QUIC lost 28 of 30 state downloads between two hosts (TCP none); opt in: quic-v1.
 LISTEN_EVERYWHERE = ("/ip4/0.0.0.0/tcp/0",)
 
 
@@ -234,6 +233,8 @@ class NetworkConfig:
     """Seconds to download the swarm's state when joining late."""
     dht_timeout: float = 10.0
     """Bound on one DHT read or write of the run's records; past it the island goes on with its last view."""
+    dht_rpc_timeout: float = 1.0
+    """Seconds a DHT request waits for a reply: a frozen peer stalls every look-up this long (hivemind: 3 s)."""
     announce_ttl: float = 60.0
     """Seconds an island's record lives in the DHT unless renewed: a dead island stops counting after this."""
     announce_every: int = 4
@@ -382,8 +383,7 @@ def _dotted_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
-"""Codec topk's outer optimizer unless the config sets one: plain SGD with lr 1, as SparseLoCo (error feedback carries
-past rounds; Nesterov on top hurt: 30 rounds, 2 islands, eval 3.81 vs 2.40; README, "Sparse pseudo-gradients")."""
+"""Codec topk's outer optimizer unless set: SGD with lr 1, as SparseLoCo (Nesterov hurt; see the README)."""
 
 
 def apply_codec_defaults(config: PeerConfig, given: set[str]) -> None:

@@ -6,6 +6,8 @@ command line) or by one of these margins, which only keep a bounded wait from ra
 
 DHT_STOP_S = 5.0
 """A DHT process gets this long to stop cleanly before it is killed."""
+BOOTSTRAP_TIMEOUT_S = 3.0
+"""hivemind's wait for the initial peers' first replies, kept: a first dial through a relay takes round trips."""
 AVERAGER_COMMAND_S = 30.0
 """A command sent to the averager process (such as switching the matchmaking schema) answers within this."""
 RESULT_MARGIN_S = 30.0

@@ -439,3 +439,17 @@ def test_an_island_that_slept_drops_itself_but_an_impossible_claim_is_ignored():
     assert clock.update(0, {"a": 57}, now, 2.0) == 57  # a newcomer believes the first view it gets
     assert clock.update(57, {"liar": 10**9, "a": 58}, now + 2, 2.0) == 58  # then an impossible jump is ignored
     assert clock.implausible == {"liar": 10**9}
+
+
+def test_a_round_stretched_by_a_freeze_does_not_slow_the_clock_it_judges_the_swarm_by():
+    # Rounds of 0.3 s, then one frozen for 6 s: the swarm ran on at its pace meanwhile (20 steps in 6 s is 4x
+    # slower than the island's own pace, so plausible). Judged by the frozen round alone it would be 4x too fast.
+    clock = SwarmClock()
+    now = 1000.0
+    for step in range(1, 7):
+        now += 0.3
+        clock.update(step, {"a": step, "b": step}, now, 0.3)
+    now += 6.0
+    assert clock.update(7, {"a": 26, "b": 26}, now, 6.0) == 26
+    assert clock.pace_s == 0.3
+    assert clock.update(26, {"liar": 10**6, "a": 27, "b": 27}, now + 0.3, 0.3) == 27  # a lie is still ignored

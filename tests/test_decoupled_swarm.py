@@ -26,6 +26,10 @@ def test_stalled_island_rejoins_and_others_keep_stepping(local_swarm: LocalSwarm
         running_at = len(peers[0].records())
         wait_until(lambda: len(peers[0].records()) >= running_at + 5, 120, "the others to step while one is stalled")
         assert len(stalled.records()) == frozen_at
+        # ...and merge with each other: a frozen island's DHT node and averager must not hold up their look-ups
+        # and all-reduces (with hivemind's 3 s DHT request timeout they merged nothing until it woke).
+        during = peers[0].records()[running_at:]
+        assert sum(r["partners"] > 0 for r in during) >= 3, [(r["partners"], r["note"]) for r in during]
     finally:
         stalled.signal_group(signal.SIGCONT)
     for peer in peers:

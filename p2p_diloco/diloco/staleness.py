@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -121,6 +122,13 @@ def claimed_step(member: Mapping[str, Any]) -> int:
     return _claim(member)
 
 
+PACE_ROUNDS = 8
+"""Rounds whose shortest duration sets the pace of `SwarmClock`'s bound. The last round alone is not enough: an
+island frozen (SIGSTOP, a suspended laptop) during its inner steps measured a round as long as the freeze, judged
+the swarm that ran on meanwhile 4x slower than it was, and refused its honest donors for 9 s (11 rounds trained
+alone and thrown away)."""
+
+
 class SwarmClock:
     """An island's estimate of the swarm's clock from the run's records.
 
@@ -133,12 +141,19 @@ class SwarmClock:
         self.time = 0.0
         self.implausible: dict[Any, int] = {}
         """Claims the last update ignored or outvoted as impossible, by who made them."""
+        self._recent_rounds: deque[float] = deque(maxlen=PACE_ROUNDS)
+
+    @property
+    def pace_s(self) -> float | None:
+        """This island's shortest recent round: the pace the plausibility bound assumes (None before a round)."""
+        return min(self._recent_rounds) if self._recent_rounds else None
 
     def update(self, own: int, others: Mapping[Any, int], now: float, round_s: float) -> int:
         """Fold in this island's step and the steps the other live islands claim; returns the clock."""
         claims = dict(others)
+        self._recent_rounds.append(round_s)
         if self.value is not None:
-            limit = plausible_limit(self.value, now - self.time, round_s)
+            limit = plausible_limit(self.value, now - self.time, self.pace_s)
             claims = {who: claim for who, claim in claims.items() if claim <= limit}
         self.value, self.time = max(own, robust_clock(list(claims.values()))), now
         far = 2 * self.value + 10  # beyond any honest lead: name it even when the robust clock outvoted it

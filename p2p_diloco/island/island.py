@@ -146,7 +146,7 @@ class Island(SwarmViewMixin):
         fragment = self.fragments[fragment_for_step(swarm_step, train.fragments)]
 
         # This island's contribution; too stale to merge, it catches up instead.
-        contribution = self._contribution(fragment, tokens, steps, staleness, ready, compute_s)
+        contribution = self._contribution(fragment, tokens, steps, staleness, ready, self.clock.pace_s or compute_s)
         if self.link.online and self.staleness_rule.factor(staleness) is None:
             landed = self._catch_up(staleness, swarm_step, contribution)
         elif train.overlap_steps == 0:  # blocking: exchange in this thread and land at once

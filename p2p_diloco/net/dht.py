@@ -16,7 +16,7 @@ from p2p_diloco.net.dht_guard import MembershipAuthorizer, record_validators
 from p2p_diloco.net.identity import ensure_identity, load_identity
 from p2p_diloco.net.membership import Membership
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
-from p2p_diloco.timeouts import DHT_STOP_S
+from p2p_diloco.timeouts import BOOTSTRAP_TIMEOUT_S, DHT_STOP_S
 
 logger = logging.getLogger(__name__)
 
@@ -69,12 +69,14 @@ def start_dht(
     timeout: float,
     client_mode: bool = False,
     membership: Membership | None = None,
+    rpc_timeout: float = NetworkConfig.dht_rpc_timeout,
 ) -> OrphanFreeDHT:
     """Start a DHT node (and its p2pd) that dies with this process; raise JoinError within `timeout`.
 
     The node runs with an RSA identity (`identity`, created if missing; a fresh temporary one if None) that signs
     its records; with `membership` (a private swarm) every DHT request must carry a member's token. A client-mode
-    node only makes requests: nobody adds it to their routing table or dials it.
+    node only makes requests: nobody adds it to their routing table or dials it. One request waits `rpc_timeout`
+    seconds for a reply; the first contact with the initial peers keeps hivemind's longer bootstrap wait.
     """
     identity = ensure_identity(identity)
     key = load_identity(identity)
@@ -89,6 +91,8 @@ def start_dht(
         start=False,
         record_validators=record_validators(key),
         ensure_bootstrap_success=False,
+        wait_timeout=rpc_timeout,
+        bootstrap_timeout=max(rpc_timeout, BOOTSTRAP_TIMEOUT_S),
         **kwargs,
     )
     dht.identity_key = key
@@ -127,6 +131,7 @@ def join_dht(
         identity=network.identity,
         timeout=network.join_timeout,
         membership=membership,
+        rpc_timeout=network.dht_rpc_timeout,
     )
 
 

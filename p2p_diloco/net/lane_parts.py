@@ -29,6 +29,8 @@ READ_AHEAD = 2
 """Parts a reducer reads from a lane ahead of the one it is reducing."""
 TICKET_S = 5.0
 """Longest wait for a reducer's ticket (it may still be entering the round)."""
+TICKET_MARGIN_S = 0.5
+"""A ticket may come this long after the reducer's own wait for the group (next_chunk_timeout) ends."""
 
 
 class LanePartsMixin:
@@ -42,11 +44,16 @@ class LanePartsMixin:
         peer = peer_id.to_base58()
         if self.lanes is None or not self.lanes.reachable(peer):
             return None
+        # A reducer waits up to next_chunk_timeout for the group before it answers; silent past that, it is frozen or
+        # gone, and trying libp2p as well held every member of a frozen island's group until it woke (7.4 s rounds).
+        wait = min(TICKET_S, self.sender_timeout + TICKET_MARGIN_S) if self.sender_timeout else TICKET_S
         try:
             request = averaging_pb2.AveragingData(group_id=self.group_id)
             stub = self._get_peer_stub(peer_id)
-            reply = await asyncio.wait_for(stub.rpc_direct_ticket(request), TICKET_S)
+            reply = await asyncio.wait_for(stub.rpc_direct_ticket(request), wait)
             offer = MSGPackSerializer.loads(reply.metadata) if reply.metadata else None
+        except asyncio.TimeoutError:
+            raise AllreduceException(f"reducer {peer} did not answer in {wait:.1f}s") from None
         except Exception as error:  # an island without lanes, or one busy elsewhere: libp2p still works
             logger.info(f"no lane ticket from {peer}: {error!r}")
             offer = None
