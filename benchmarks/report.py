@@ -98,6 +98,7 @@ def chaos(data: dict) -> str:
         [
             mode,
             data["goodput"][mode],
+            ", ".join(_fmt(x, 3) for x in data.get("goodput_pairs", {}).get(mode, [])) or "-",
             data["final_eval_loss"][mode],
             ", ".join(_fmt(x, 1) for x in data["restart_to_first_merge_s"][mode]) or "-",
             data.get("restarts_killed_before_merging", {}).get(mode, "-"),
@@ -105,7 +106,7 @@ def chaos(data: dict) -> str:
         ]
         for mode in data["goodput"]
     ]
-    header = ["mode", "goodput (vs no faults)", "final eval loss", "restart → first merge (s)"]
+    header = ["mode", "goodput (vs no faults)", "each pair of runs", "final eval loss", "restart → first merge (s)"]
     header += ["restarts killed again before merging", "unexpected errors"]
     text = _table(header, rows)
     shares, phases = data.get("goodput_breakdown", {}), data.get("restart_breakdown_mean_s", {})

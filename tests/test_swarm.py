@@ -297,3 +297,18 @@ def test_quantized_islands_merge_and_a_codec_mismatch_is_refused(local_swarm: Lo
         # bytes as they go, so a round's last bytes may land in the next record: compare totals.
         per_round = sum(r["bytes_sent"] for r in records) / len(merged)
         assert 0.1 * 4 * 21_984 < per_round < 0.4 * 4 * 21_984, [r["bytes_sent"] for r in records]
+
+
+def test_a_lone_island_restarts_from_its_checkpoint_without_waiting_for_donors(local_swarm: LocalSwarm) -> None:
+    # Its earlier run's record is still in the DHT, at the step of its checkpoint: no donor can have anything newer,
+    # so it must not wait state_wait_s (30 s) for one, as it did.
+    local_swarm.bootstrap()
+    args = ["--inner-steps", "5", "--state-wait-s", "120"]
+    first = local_swarm.peer("island", "--outer-steps", "2", *args, config=TINY)
+    assert first.wait(120) == 0, first.log_text()[-3000:]
+    again = local_swarm.peer("island", "--outer-steps", "4", *args, config=TINY)
+    assert again.wait(120) == 0, again.log_text()[-3000:]
+    log = again.log_text()
+    assert "starting from checkpoint at outer step 2" in log, log[-3000:]
+    assert "no state donor answered yet" not in log, log[-3000:]
+    assert again.records()[-1]["outer_step"] == 4

@@ -45,7 +45,9 @@ def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: 
             )
     swarm = None
     if link.online:
-        swarm = swarm_state(link, config.network, Resync(link.exchange, state, timeout=config.network.state_timeout))
+        resync = Resync(link.exchange, state, timeout=config.network.state_timeout)
+        own_step = int(checkpoint["outer_step"]) if checkpoint is not None else None
+        swarm = swarm_state(link, config.network, resync, own_step=own_step)
     swarm_step = int(swarm[0]["outer_step"]) if swarm else -1
     if checkpoint is not None:
         state.load(checkpoint["outer_tensors"], int(checkpoint["outer_step"]))
@@ -91,9 +93,13 @@ def donor_step_limit(steps: list[int], announce_every: int) -> int | None:
     return robust_clock(steps) + max(1, announce_every) + 1 if steps else None
 
 
-def swarm_state(link: SwarmLink, network: NetworkConfig, resync: Resync) -> tuple[dict, list] | None:
-    """The swarm's current state from a donor; while the run's records show islands past step 0 but no donor
-    answers, keep asking for up to `state_wait_s` (a donor may be restarting), rather than start a second swarm."""
+def swarm_state(
+    link: SwarmLink, network: NetworkConfig, resync: Resync, *, own_step: int | None = None
+) -> tuple[dict, list] | None:
+    """The swarm's current state from a donor; while the run's records show islands more than a step past
+    `own_step` (this island's checkpoint) but no donor answers, keep asking for up to `state_wait_s` (a donor may be
+    restarting), rather than start a second swarm. A lone island restarting from its checkpoint sees only its earlier
+    run's record, at that step: waiting for a donor then only cost it the whole `state_wait_s`."""
     deadline = time.monotonic() + network.state_wait_s
     waiting = False
     while True:
@@ -103,7 +109,7 @@ def swarm_state(link: SwarmLink, network: NetworkConfig, resync: Resync) -> tupl
         if state is not None:
             return state
         newest = robust_clock(steps)
-        if newest <= 0:
+        if newest <= (0 if own_step is None else own_step + 1):  # a step behind merges (discounted), catches up
             return None
         if time.monotonic() >= deadline:
             logger.warning(
