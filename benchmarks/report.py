@@ -9,22 +9,11 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from lib.markdown import fmt, table
+from lib.report_failures import chaos, restart
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
-
-
-def _fmt(value: object, digits: int = 4) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-def _table(header: list[str], rows: list[list[object]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(_fmt(cell) for cell in row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def quality(data: dict) -> str:
@@ -40,7 +29,7 @@ def quality(data: dict) -> str:
     for row in rows:
         if ran.get(row[0], seeds) != seeds:
             row[0] = f"{row[0]} (seeds {ran[row[0]]})"
-    text = _table([f"system (mean of {len(seeds)} seed(s))", "final eval loss", "std", "min", "max"], rows)
+    text = table([f"system (mean of {len(seeds)} seed(s))", "final eval loss", "std", "min", "max"], rows)
     if losses.get("data_parallel") and losses.get("p2p_diloco"):
         text += f"\n\np2p-diloco / data-parallel: {losses['p2p_diloco'] / losses['data_parallel']:.4f}"
         by_seed = data.get("p2p_vs_dp_ratio_by_seed")
@@ -69,7 +58,7 @@ def exchange(data: dict) -> str:
         for row in data["rows"]
     ]
     header = ["values", "peers", "system", "codec", "seconds/round", "GB/s", "x gloo fp32", "speedup vs hivemind"]
-    return _table(header, rows)
+    return table(header, rows)
 
 
 def link(data: dict) -> str:
@@ -89,43 +78,14 @@ def link(data: dict) -> str:
         for row in data["rows"]
     ]
     header = ["Mbit/s", "islands", "system", "codec", "payload MB", "s/round", "limit s", "x limit", "wire / sent"]
-    return _table(header, rows)
-
-
-def chaos(data: dict) -> str:
-    """Goodput under failures."""
-    rows = [
-        [
-            mode,
-            data["goodput"][mode],
-            ", ".join(_fmt(x, 3) for x in data.get("goodput_pairs", {}).get(mode, [])) or "-",
-            data["final_eval_loss"][mode],
-            ", ".join(_fmt(x, 1) for x in data["restart_to_first_merge_s"][mode]) or "-",
-            data.get("restarts_killed_before_merging", {}).get(mode, "-"),
-            "; ".join(data["unexpected_errors"][mode]) or "none",
-        ]
-        for mode in data["goodput"]
-    ]
-    header = ["mode", "goodput (vs no faults)", "each pair of runs", "final eval loss", "restart → first merge (s)"]
-    header += ["restarts killed again before merging", "unexpected errors"]
-    text = _table(header, rows)
-    shares, phases = data.get("goodput_breakdown", {}), data.get("restart_breakdown_mean_s", {})
-    if shares:
-        keys = ("schedule_downtime", "restart_startup", "other", "goodput_of_available")
-        text += "\n\nWhere the clean run's tokens went (shares of islands × budget):\n\n"
-        text += _table(["mode", *keys], [[mode, *(shares[mode].get(key) for key in keys)] for mode in shares])
-    if phases:
-        keys = ("process_start_s", "join_s", "restore_s", "first_round_s", "total_s")
-        text += "\n\nA restart, mean seconds per phase until the island's first merged round:\n\n"
-        text += _table(["mode", *keys], [[mode, *(_fmt(phases[mode].get(key), 1) for key in keys)] for mode in phases])
-    return text
+    return table(header, rows)
 
 
 def decoupled(data: dict) -> str:
     """Decoupled merging under heterogeneity."""
     rows = []
     for row in data["rows"]:
-        finals = ", ".join(_fmt(v, 3) for v in row["final_eval_loss"].values())
+        finals = ", ".join(fmt(v, 3) for v in row["final_eval_loss"].values())
         rows.append(
             [
                 row["name"],
@@ -137,7 +97,7 @@ def decoupled(data: dict) -> str:
                 row["blocked_fraction"],
             ]
         )
-    text = _table(["config", "mode", "merge", "mean final eval", "per island", "goodput tok/s", "blocked"], rows)
+    text = table(["config", "mode", "merge", "mean final eval", "per island", "goodput tok/s", "blocked"], rows)
     if "targets" in data:
         targets = data["targets"]
         text += (
@@ -154,7 +114,7 @@ def simulator(data: dict) -> str:
     lookup = {(row["chips"], row["method"], row["islands"]): row["goodput"] for row in data["rows"]}
     header = ["chips"] + [f"{method} M={islands}" for method, islands in columns]
     rows = [[f"{c:,}"] + [lookup.get((c, m, i)) for m, i in columns] for c in chips]
-    text = _table(header, rows)
+    text = table(header, rows)
     if "paper" in data:
         text += f"\n\npaper: {json.dumps(data['paper'])}"
     if "paper_comparison" in data:
@@ -166,7 +126,7 @@ def simulator(data: dict) -> str:
         text += (
             f"\n\nThe paper's table with elastic learners (reconfig_s {setting['reconfig_s']:.1f} s, calibrated to "
             f"{setting['calibrated_to']}):\n\n"
-            + _table(["chips", "system", "M", "ours", "paper", "points"], rows)
+            + table(["chips", "system", "M", "ours", "paper", "points"], rows)
             + "\n\nAssumptions that differ:\n\n"
             + "\n".join(f"- {line}" for line in setting["assumptions_that_differ"])
         )
@@ -210,9 +170,7 @@ def bandwidth(data: dict) -> str:
             f"state is {wide['tcp_over_payload_steady']:.2f}: {wide['payload_bytes_per_round'] / 1000:.1f} KB of "
             f"payload and {wide['chatter_bytes_per_round'] / 1000:.1f} KB of chatter per island and round."
         )
-    return (
-        (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + _table(header, rows) + note
-    )
+    return (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + table(header, rows) + note
 
 
 def sparse_horizon(data: dict) -> str:
@@ -225,7 +183,7 @@ def sparse_horizon(data: dict) -> str:
     return (
         f"{data['islands']} islands, H = {data['H']}, {data['model']} model, seed {data['seed']}, in one process with "
         "the swarm's codec, error feedback and outer optimizers.\n\n"
-        + _table(["round", "fp32 eval", "topk eval", "topk / fp32", "rounds behind fp32"], rows)
+        + table(["round", "fp32 eval", "topk eval", "topk / fp32", "rounds behind fp32"], rows)
     )
 
 
@@ -237,7 +195,7 @@ def chatter(data: dict) -> str:
     return (
         f"{data['islands']} islands, tiny model, top-k, quorum {data['islands']}; {data['island_rounds_counted']} "
         "island-rounds at steady state; protobuf bytes of each RPC, request and response, at its caller.\n\n"
-        + _table(["what", "KB per island-round"], rows)
+        + table(["what", "KB per island-round"], rows)
     )
 
 
@@ -248,7 +206,7 @@ def utilization(data: dict) -> str:
     return (
         f"link: {data['link']} ({'; '.join(setup) if isinstance(setup, list) else setup}); H = {data.get('H')}, "
         f"streaming P = {data.get('fragments')}, τ = {data.get('overlap_steps')}\n\n"
-        + _table(["mode", "fraction of wall-clock computing"], rows)
+        + table(["mode", "fraction of wall-clock computing"], rows)
     )
 
 
@@ -272,7 +230,7 @@ def internet(data: dict) -> str:
         rows.append([name, figures["join_s"], figures["first_record_s"], figures["round_s"], figures["merged_rounds"]])
     ratios = data["ratios"]
     return (
-        _table(["islands", "join s", "first record s", "s per round", "merged rounds"], rows)
+        table(["islands", "join s", "first record s", "s per round", "merged rounds"], rows)
         + f"\n\nRelayed / direct: join x{ratios['join_relayed_over_direct']:.2f}, "
         f"seconds per round x{ratios['round_relayed_over_direct']:.2f}."
     )
@@ -282,7 +240,7 @@ def throughput(data: dict) -> str:
     """Island against a plain loop, the outer step by model size, and the GPU figures when there were any."""
     text = (
         f"Island / plain loop (tiny Llama, CPU, H = 50, outer step included): **{data['ratio_vs_plain_loop']:.3f}**\n\n"
-        + _table(
+        + table(
             ["parameters", "outer step ms"], [[f"{r['params'] / 1e6:.1f}M", r["outer_step_ms"]] for r in data["rows"]]
         )
     )
@@ -295,13 +253,13 @@ def throughput(data: dict) -> str:
     return (
         text
         + f"\n\n{gpu['gpu']}, 150M-shaped Llama, bf16:\n\n"
-        + _table(["loop", "tokens/s", "MFU", "peak memory GB"], rows)
+        + table(["loop", "tokens/s", "MFU", "peak memory GB"], rows)
     )
 
 
 def ranks(data: dict) -> str:
     """Tokens/s by island layout, and the outer step's cost with ranks by model size."""
-    base = _table(
+    base = table(
         ["island", "tokens/s", "x one thread"],
         [[label, rate, data["speedup_vs_one_thread"][label]] for label, rate in data["tokens_per_s"].items()],
     )
@@ -310,7 +268,7 @@ def ranks(data: dict) -> str:
     for name, layout in data["outer_step_ms"].items():
         rows += [[name, f"{r['params'] / 1e6:.1f}M", r["ms"], r["ms"] / single[r["size"]]] for r in layout]
     cores = data.get("cpu_count")
-    outer = _table(["island", "parameters", "ms", "x one process"], rows)
+    outer = table(["island", "parameters", "ms", "x one process"], rows)
     return (
         f"Inner steps ({cores} CPU cores):\n\n{base}\n\n"
         f"One outer step on rank 0 (weights out, Nesterov, weights into every rank):\n\n{outer}"
@@ -322,6 +280,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("exchange", "Exchange speed", exchange),
     ("link", "Rounds on shaped links", link),
     ("chaos", "Goodput under failures", chaos),
+    ("restart", "A restart beside one training island", restart),
     ("simulator", "Simulated goodput at scale", simulator),
     ("decoupled", "Decoupled merging with a 3x slower island", decoupled),
     ("bandwidth", "Bandwidth vs data-parallel", bandwidth),
@@ -349,7 +308,7 @@ def _times() -> list[str]:
         "",
         f"{data.get('date', '?')}, {data.get('mode', 'full')} mode, one script at a time:",
         "",
-        _table(["script", "seconds", "exit code"], rows),
+        table(["script", "seconds", "exit code"], rows),
         *(
             [f"\nNot run by `make bench` (`make bench-all` adds them): {', '.join(data['not_run'])}."]
             if data.get("not_run")

@@ -11,6 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from p2p_diloco.quick_start import defer_unused_imports
+
+defer_unused_imports()  # before anything imports hivemind: see quick_start for why
+
 __version__ = "0.1.0"
 
 _EXPORTS = {

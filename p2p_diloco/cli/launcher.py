@@ -204,10 +204,12 @@ class LocalSwarm:
             return self._start(name, command, command_prefix, metrics, checkpoint_dir, (program[0],))
         return self._start(name, command, command_prefix, metrics, checkpoint_dir)
 
-    def restart(self, name: str) -> PeerProcess:
-        """Start a peer again with the arguments it was first started with (its log gets a new file)."""
+    def restart(self, name: str, command_prefix: Sequence[str] | None = None) -> PeerProcess:
+        """Start a peer again with the arguments it was first started with (its log gets a new file), under its
+        first command prefix or `command_prefix`."""
         old = self.peers[name]
-        return self._start(name, old.args, old.command_prefix, old.metrics, old.checkpoint_dir)
+        prefix = old.command_prefix if command_prefix is None else command_prefix
+        return self._start(name, old.args, prefix, old.metrics, old.checkpoint_dir)
 
     def _start(
         self,

@@ -74,8 +74,16 @@ def run(args: argparse.Namespace) -> int:
 
             return run_ranked_island(config, stop)
         from p2p_diloco.island.island import Island
+        from p2p_diloco.island.link import begin_join
+        from p2p_diloco.quick_start import plain_start
 
-        Island(config, stop=stop).run()
+        # The DHT process starts p2pd and reaches the swarm while this one builds the model and loads data.
+        joining = None if config.network.solo or plain_start() else begin_join(config.network)
+        try:
+            Island(config, stop=stop, joining=joining).run()
+        finally:
+            if joining is not None:
+                joining.abandon()
     except UserError as error:
         print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
         return error.exit_code

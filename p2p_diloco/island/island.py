@@ -26,7 +26,7 @@ from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
 from p2p_diloco.island.announce import AnnounceSchedule, SwarmViewMixin, fold_partner_steps
 from p2p_diloco.island.checkpoints import donor_step_limit, restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
-from p2p_diloco.island.link import SwarmLink, connect, solo_link
+from p2p_diloco.island.link import Joining, SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.progress import Progress, history_rounds, startup_times
 from p2p_diloco.island.records import progress_line, round_record
@@ -56,9 +56,10 @@ class Island(SwarmViewMixin):
         connector: Connector = connect,
         stop: GracefulStop | None = None,
         trainer: LocalTrainer | None = None,
+        joining: Joining | None = None,
     ):
         self.config = config
-        self.connector = connector
+        self.connector, self.joining = connector, joining  # joining: a DHT node launched before the model is built
         self.stop = stop or GracefulStop()
         torch.set_num_threads(config.train.threads)
         self.trainer = trainer or LocalTrainer(config)
@@ -111,6 +112,7 @@ class Island(SwarmViewMixin):
             state_provider=self.state.for_peers,
             exchange_size=max(f.size for f in self.fragments) + extra,
             staleness_rule=self.staleness_rule,
+            **({"joining": self.joining} if self.joining is not None else {}),
         )
         self.resync = Resync(self.link.exchange, self.state, timeout=network.state_timeout)
 

@@ -21,7 +21,7 @@ from p2p_diloco.net.connectivity import (
     routing_table_size,
     serve_hello,
 )
-from p2p_diloco.net.dht import JoinError, OrphanFreeDHT, join_dht, shutdown_dht
+from p2p_diloco.net.dht import JoinError, OrphanFreeDHT, await_dht, launch_island_dht, shutdown_dht
 from p2p_diloco.net.exchange import GossipExchange
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.identity import ensure_identity, peer_id_of_identity
@@ -235,6 +235,29 @@ def network_exchange(
     )
 
 
+@dataclass
+class Joining:
+    """An island's DHT node launched before its model is built (`begin_join`): its process starts p2pd and
+    reaches the initial peers while this one imports, builds the model and loads data; `connect` adopts it."""
+
+    dht: OrphanFreeDHT
+    membership: Membership | None
+    adopted: bool = False
+
+    def abandon(self) -> None:
+        """Stop the node unless `connect` adopted it (the island failed or was stopped before joining)."""
+        if not self.adopted:
+            shutdown_dht(self.dht)
+
+
+def begin_join(network: NetworkConfig) -> Joining:
+    """Check the membership (a bad token is a one-line error before anything starts) and launch the DHT node."""
+    network.identity = ensure_identity(network.identity)
+    membership = private_membership(network)
+    remembered = [m for m in read_peers_file(network.peers_file) if m not in network.initial_peers]
+    return Joining(launch_island_dht(network, extra_peers=remembered, membership=membership), membership)
+
+
 def connect(
     network: NetworkConfig,
     *,
@@ -242,16 +265,16 @@ def connect(
     state_provider: StateProvider,
     exchange_size: int,
     staleness_rule: StalenessRule,
+    joining: Joining | None = None,
 ) -> SwarmLink:
-    """Join the DHT, find out how others reach us, announce this island (refusing a run of another model, codec
-    or protocol) and start the exchange."""
+    """Join the DHT (or finish `joining`), find out how others reach us, announce this island (refusing a run of
+    another model, codec or protocol) and start the exchange."""
     start = time.monotonic()
-    # Before any fork: the int8 codec loads bitsandbytes, which the averager process must inherit.
+    # Before the averager forks: the int8 codec loads bitsandbytes, which the averager process must inherit.
     compression = get_compression(network.codec, network.topk_bits)
-    network.identity = ensure_identity(network.identity)
-    membership = private_membership(network)  # a bad token is a one-line error before anything starts
-    remembered = [m for m in read_peers_file(network.peers_file) if m not in network.initial_peers]
-    dht = join_dht(network, extra_peers=remembered, membership=membership)
+    joining = joining or begin_join(network)
+    joining.adopted = True
+    dht, membership = await_dht(joining.dht, network.join_timeout), joining.membership
     link = SwarmLink(peer_id=dht.peer_id.to_base58(), dht=dht, network=network, membership=membership)
     if membership is not None and network.revoked:
         link.revocations = read_json(network.revoked, "revocation list")

@@ -20,7 +20,7 @@ from p2p_diloco.island.link import SwarmLink, check_admission, network_exchange,
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.resync import Resync
 from p2p_diloco.island.trainer import check_vocabulary, run_fingerprint
-from p2p_diloco.net.dht import join_dht
+from p2p_diloco.net.dht import await_dht, launch_island_dht
 from p2p_diloco.net.identity import ensure_identity
 from p2p_diloco.net.records import RunRecords
 from p2p_diloco.train.model import build_model
@@ -75,7 +75,7 @@ def pull(config: PeerConfig) -> Pulled:
     )
     network.identity = ensure_identity(network.identity)
     membership = private_membership(network)
-    dht = join_dht(network, membership=membership)
+    dht = await_dht(launch_island_dht(network, membership=membership), network.join_timeout)
     link = SwarmLink(peer_id=dht.peer_id.to_base58(), dht=dht, network=network, membership=membership)
     try:
         check_admission(dht, network, membership, link.peer_id)

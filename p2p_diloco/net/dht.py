@@ -78,6 +78,30 @@ def start_dht(
     node only makes requests: nobody adds it to their routing table or dials it. One request waits `rpc_timeout`
     seconds for a reply; the first contact with the initial peers keeps hivemind's longer bootstrap wait.
     """
+    dht = launch_dht(
+        initial_peers=initial_peers,
+        host_maddrs=host_maddrs,
+        announce_maddrs=announce_maddrs,
+        identity=identity,
+        client_mode=client_mode,
+        membership=membership,
+        rpc_timeout=rpc_timeout,
+    )
+    return await_dht(dht, timeout)
+
+
+def launch_dht(
+    *,
+    initial_peers: list[str],
+    host_maddrs: list[str],
+    announce_maddrs: list[str],
+    identity: str | None,
+    client_mode: bool = False,
+    membership: Membership | None = None,
+    rpc_timeout: float = NetworkConfig.dht_rpc_timeout,
+) -> OrphanFreeDHT:
+    """Fork the DHT process of `start_dht` and return at once: it starts p2pd and joins while this process goes on
+    (an island builds its model meanwhile). `await_dht` waits for it and turns its failure into a clear error."""
     identity = ensure_identity(identity)
     key = load_identity(identity)
     kwargs: dict = {"host_maddrs": host_maddrs, "identity_path": identity, "client_mode": client_mode}
@@ -96,8 +120,17 @@ def start_dht(
         **kwargs,
     )
     dht.identity_key = key
+    dht.join_request = {"initial_peers": initial_peers, "host_maddrs": host_maddrs, "identity": identity}
+    dht.start()
+    return dht
+
+
+def await_dht(dht: OrphanFreeDHT, timeout: float) -> OrphanFreeDHT:
+    """Wait for a launched DHT node to be ready; stop it and raise JoinError or ListenError if it cannot be."""
+    request = dht.join_request
+    initial_peers, host_maddrs, identity = request["initial_peers"], request["host_maddrs"], request["identity"]
     try:
-        dht.run_in_background(await_ready=True, timeout=timeout)
+        dht.wait_until_ready(timeout)
     except TimeoutError:
         shutdown_dht(dht)
         raise JoinError(f"could not join the DHT within {timeout:.0f}s; check --initial-peers") from None
@@ -119,17 +152,17 @@ def start_dht(
     return dht
 
 
-def join_dht(
+def launch_island_dht(
     network: NetworkConfig, extra_peers: list[str] = (), membership: Membership | None = None
 ) -> OrphanFreeDHT:
-    """Start this island's DHT node from its network config (plus peers remembered from an earlier run)."""
-    return start_dht(
+    """Launch this island's DHT node from its network config (plus peers remembered from an earlier run);
+    `await_dht(dht, network.join_timeout)` waits for it."""
+    return launch_dht(
         initial_peers=list(network.initial_peers) + list(extra_peers),
         client_mode=network.client_mode == "on",
         host_maddrs=network.host_maddrs,
         announce_maddrs=network.announce_maddrs,
         identity=network.identity,
-        timeout=network.join_timeout,
         membership=membership,
         rpc_timeout=network.dht_rpc_timeout,
     )

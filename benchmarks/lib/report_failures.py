@@ -1,0 +1,45 @@
+"""BENCHMARKS.md sections on failures: goodput under chaos, and one restart on an idle machine."""
+
+from __future__ import annotations
+
+from lib.markdown import fmt, table
+
+
+def chaos(data: dict) -> str:
+    """Goodput under failures."""
+    rows = [
+        [
+            mode,
+            data["goodput"][mode],
+            ", ".join(fmt(x, 3) for x in data.get("goodput_pairs", {}).get(mode, [])) or "-",
+            data["final_eval_loss"][mode],
+            ", ".join(fmt(x, 1) for x in data["restart_to_first_merge_s"][mode]) or "-",
+            data.get("restarts_killed_before_merging", {}).get(mode, "-"),
+            "; ".join(data["unexpected_errors"][mode]) or "none",
+        ]
+        for mode in data["goodput"]
+    ]
+    header = ["mode", "goodput (vs no faults)", "each pair of runs", "final eval loss", "restart → first merge (s)"]
+    header += ["restarts killed again before merging", "unexpected errors"]
+    text = table(header, rows)
+    shares, phases = data.get("goodput_breakdown", {}), data.get("restart_breakdown_mean_s", {})
+    if shares:
+        keys = ("schedule_downtime", "restart_startup", "other", "goodput_of_available")
+        text += "\n\nWhere the clean run's tokens went (shares of islands × budget):\n\n"
+        text += table(["mode", *keys], [[mode, *(shares[mode].get(key) for key in keys)] for mode in shares])
+    if phases:
+        keys = ("process_start_s", "join_s", "restore_s", "first_round_s", "total_s")
+        text += "\n\nA restart, mean seconds per phase until the island's first merged round:\n\n"
+        text += table(["mode", *keys], [[mode, *(fmt(phases[mode].get(key), 1) for key in keys)] for mode in phases])
+    return text
+
+
+def restart(data: dict) -> str:
+    """A restart beside one training island, with and without the start-up shortcuts."""
+    keys = ("import_s", "process_start_s", "join_s", "restore_s", "first_round_s", "total_s", "total_over_restore")
+    median = data["median_s"]
+    text = "Median seconds per phase of a restarted island until its first merged round:\n\n"
+    text += table(["way", *keys], [[way, *(fmt(median[way].get(key), 2) for key in keys)] for way in median])
+    ratios = data["shipped_over_plain"]
+    text += "\n\nshipped / plain: " + ", ".join(f"{key} {fmt(value, 3)}" for key, value in ratios.items())
+    return text
