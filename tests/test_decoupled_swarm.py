@@ -39,7 +39,8 @@ def test_stalled_island_rejoins_and_others_keep_stepping(local_swarm: LocalSwarm
     # Its stale contribution is rejected; the download that follows may need a round (donors' connections to a
     # process that was frozen time out first), so the catch-up is the first stale round that resynced.
     caught_up = [r for r in after if r["note"] and "stale" in r["note"] and r["resynced"]]
-    assert caught_up, "the stalled island's stale contribution was not rejected, or it never caught up"
+    seen = [(r["outer_step"], r["partners"], r["resynced"], r["note"]) for r in after]
+    assert caught_up, f"the stalled island's stale contribution was not rejected, or it never caught up: {seen}"
     assert any(r["partners"] > 0 for r in after), "the stalled island never merged again after SIGCONT"
     steps = {}
     for peer in peers:

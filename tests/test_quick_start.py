@@ -51,12 +51,16 @@ def test_a_peer_that_fails_after_launching_its_dht_node_leaves_no_process_behind
 
     from p2p_diloco.cli.main import main
 
+    def running_children() -> dict[int, psutil.Process]:
+        children = psutil.Process().children(recursive=True)
+        return {c.pid: c for c in children if c.status() != psutil.STATUS_ZOMBIE}
+
+    # Other tests in this process may have left their own helpers (torch's shm manager, wandb's service).
+    before = running_children()
     missing = tmp_path / "no-such-corpus.txt"
     code = main(["peer", "--data", str(missing), "--host-maddrs", "/ip4/127.0.0.1/tcp/0", "--run-id", "early"])
     assert code == 2
     assert f"data.path {missing} does not exist" in capsys.readouterr().err
     # The DHT node (and its p2pd) was launched before the model and data: the failure must stop it.
-    # (torch_shm_manager is torch's own shared-memory helper, started by other tests' tensors.)
-    children = psutil.Process().children(recursive=True)
-    left = [c for c in children if c.status() != psutil.STATUS_ZOMBIE and c.name() != "torch_shm_manager"]
-    assert not left, [c.cmdline() for c in left]
+    left = [child for pid, child in running_children().items() if pid not in before]
+    assert not [c for c in left if c.name() != "torch_shm_manager"], [c.cmdline() for c in left]
