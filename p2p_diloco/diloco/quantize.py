@@ -18,9 +18,13 @@ NaN, so a poisoned reduction (the strict all-reduce marks one with NaN) stays po
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import sys
 import threading
 import zlib
+from collections.abc import Iterator
 
 import torch
 
@@ -155,10 +159,33 @@ def _bitsandbytes():
     global _BNB_FUNCTIONAL
     with _BNB_LOCK:
         if _BNB_FUNCTIONAL is None:
-            import bitsandbytes.functional as functional
+            with _without_hub_kernels():
+                import bitsandbytes.functional as functional
 
             _BNB_FUNCTIONAL = functional
     return _BNB_FUNCTIONAL
+
+
+@contextlib.contextmanager
+def _without_hub_kernels() -> Iterator[None]:
+    """Hide the `kernels` package while bitsandbytes imports, and its warning that the kernel is missing.
+
+    Its CPU backend asks the Hugging Face Hub for an optional 4-bit matmul kernel at import (`kernels.get_kernel`):
+    a network request that a peer must never make at run time, and about 0.4 s of every island's start, for a kernel
+    these codecs never call. With the package hidden, bitsandbytes takes its own fallback.
+    """
+    hidden = "kernels" not in sys.modules
+    if hidden:
+        sys.modules["kernels"] = None  # type: ignore[assignment]  # `from kernels import ...` raises ImportError
+    cpu_ops_log = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    level = cpu_ops_log.level
+    cpu_ops_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        cpu_ops_log.setLevel(level)
+        if hidden:
+            sys.modules.pop("kernels", None)
 
 
 class Int8Blockwise(Quantizer):
