@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_stalled_island_rejoins_and_others_keep_stepping(local_swarm: LocalSwarm) -> None:
     local_swarm.bootstrap()
-    # The others stop waiting for a frozen island after a few rounds (--expect-rounds) and run ahead: 24 steps leave
+    # The others stop waiting for a frozen island after a few rounds (--expect-rounds) and run ahead: 32 steps leave
     # the woken island rounds to rejoin them before they finish (a loaded machine may need several: a download from
     # donors whose connections to the frozen process time out first can fail, and the next stale round retries).
     args = ["--outer-steps", "32", "--num-shards", "3", "--max-staleness", "3", "--next-chunk-timeout", "2"]

@@ -47,13 +47,19 @@ def test_a_deferred_module_executes_on_first_use():
 
 
 def test_a_peer_that_fails_after_launching_its_dht_node_leaves_no_process_behind(tmp_path, capsys):
+    import contextlib
+
     import psutil
 
     from p2p_diloco.cli.main import main
 
     def running_children() -> dict[int, psutil.Process]:
-        children = psutil.Process().children(recursive=True)
-        return {c.pid: c for c in children if c.status() != psutil.STATUS_ZOMBIE}
+        running = {}
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):  # one that exits while we look is not left behind
+                if child.status() != psutil.STATUS_ZOMBIE:
+                    running[child.pid] = child
+        return running
 
     # Other tests in this process may have left their own helpers (torch's shm manager, wandb's service).
     before = running_children()
