@@ -17,7 +17,15 @@ from p2p_diloco.diloco.merge import (
     weighted_mean,
 )
 from p2p_diloco.diloco.outer import OuterOptimizer
-from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock, agreeing, group_weights, own_weight, robust_clock
+from p2p_diloco.diloco.staleness import (
+    StalenessRule,
+    SwarmClock,
+    agreeing,
+    group_weights,
+    own_weight,
+    robust_clock,
+    stale_partners,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -439,6 +447,20 @@ def test_an_island_that_slept_drops_itself_but_an_impossible_claim_is_ignored():
     assert clock.update(0, {"a": 57}, now, 2.0) == 57  # a newcomer believes the first view it gets
     assert clock.update(57, {"liar": 10**9, "a": 58}, now + 2, 2.0) == 58  # then an impossible jump is ignored
     assert clock.implausible == {"liar": 10**9}
+
+
+def test_a_fresh_island_names_a_partner_its_own_step_shows_too_stale_where_a_pair_weighs_it_in_full():
+    rule = StalenessRule(max_staleness=3, discount=0.5)
+    woken = {"outer_step": 3, "swarm_step": 3, "base_weight": 1.0}  # frozen at 3, its view too young to doubt
+    fresh = {"outer_step": 9, "swarm_step": 9, "base_weight": 1.0}
+    pair = {"woken": woken, "fresh": fresh}
+    assert group_weights(pair, rule) == {"woken": 1.0, "fresh": 1.0}  # two claims: the clock is the lower one
+    assert stale_partners("fresh", pair, rule) == {"woken": 6}
+    assert stale_partners("woken", pair, rule) == {}  # a partner ahead is never "stale"
+    within = {"behind": {**woken, "outer_step": 6, "swarm_step": 6}, "fresh": fresh}
+    assert stale_partners("fresh", within, rule) == {}  # 3 behind: within --max-staleness
+    trio = {**pair, "other": {**fresh, "outer_step": 8, "swarm_step": 8}}
+    assert group_weights(trio, rule)["woken"] == 0.0 and stale_partners("fresh", trio, rule) == {}  # outvoted
 
 
 def test_a_round_stretched_by_a_freeze_does_not_slow_the_clock_it_judges_the_swarm_by():

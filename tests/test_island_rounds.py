@@ -159,6 +159,17 @@ def test_a_round_with_a_foreign_island_is_discarded(tmp_path: Path) -> None:
     assert not record["merged"] and "model or codec mismatch" in record["note"] and "peer-b" in record["note"]
 
 
+def test_a_merge_that_weighed_a_partner_too_far_behind_is_discarded(tmp_path: Path) -> None:
+    # A pair: the group's clock is the lower claim, so a partner woken at step 2 with a view too young to doubt
+    # weighs in full. This island knows it is at step 8 itself: it keeps its anchor off that merge.
+    exchange = FakeExchange([merged_with(lambda payload: payload * 0.0, outer_step=2, swarm_step=2)])
+    node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 8}}), **{"train.outer_steps": 9})
+    exchange.states = [lambda: donor_state(node, 8)]  # joins the swarm at step 8
+    (record,) = run(node)
+    assert node.outer_step == 9 and exchange.sent[0][1]["outer_step"] == 8
+    assert not record["merged"] and record["partners"] == 0 and "peer-b by 6" in record["note"]
+
+
 def test_a_non_finite_merge_is_never_applied(tmp_path: Path) -> None:
     exchange = FakeExchange([merged_with(lambda payload: torch.full_like(payload, float("nan")))])
     node = island(tmp_path, exchange, FakeRecords())

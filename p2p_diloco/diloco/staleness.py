@@ -105,6 +105,19 @@ def own_weight(me: K, members: Mapping[K, Mapping[str, Any]], rule: StalenessRul
     return group_weights(members, rule)[me]
 
 
+def stale_partners(me: K, members: Mapping[K, Mapping[str, Any]], rule: StalenessRule) -> dict[K, int]:
+    """Members the group weighed although this member's own step shows them too stale: key -> steps behind.
+
+    The group's clock is the K-th highest claim, so in a group of two it is the lower one, and an island woken from
+    a freeze with a view too old to doubt merges at full weight. Its partner knows its own step for certain (a
+    member can only make itself look older, never make another look older), and discards such a round.
+    """
+    weights = group_weights(members, rule)
+    mine = int(members[me]["outer_step"])
+    behind = {key: mine - int(member["outer_step"]) for key, member in members.items() if key != me}
+    return {key: lag for key, lag in behind.items() if weights[key] > 0 and rule.factor(lag) is None}
+
+
 def own_clock(me: K, members: Mapping[K, Mapping[str, Any]], now: float) -> int:
     """The newest step a member can believe the group has reached: its own view, or any partner's plausible claim."""
     limit = claim_limit(members[me], now)

@@ -20,7 +20,7 @@ from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.merge import contribution_weight, is_finite, rda_decode, rda_encode
 from p2p_diloco.diloco.quantize import quantizer
 from p2p_diloco.diloco.sparse import topk_sparsify
-from p2p_diloco.diloco.staleness import StalenessRule, group_weights, own_clock, own_weight
+from p2p_diloco.diloco.staleness import StalenessRule, group_weights, own_clock, own_weight, stale_partners
 from p2p_diloco.island.rounds import Verdict
 from p2p_diloco.net.codecs import describe_strangers, strangers
 from p2p_diloco.net.exchange import ExchangeResult
@@ -94,13 +94,19 @@ class Contribution:
         try:
             weights = group_weights(members, self.staleness_rule)
             mine = own_weight(self.peer_id, members, self.staleness_rule, get_dht_time())
-        except (KeyError, TypeError, ValueError):
-            weights, mine = {}, None  # an island of another kind: the agreement check below discards the round
+            laggards = stale_partners(self.peer_id, members, self.staleness_rule)
+        except (KeyError, TypeError, ValueError):  # an island of another kind: the agreement check below discards it
+            weights, mine, laggards = {}, None, {}
         if mine == 0.0:
             # Our view of the swarm was older than the group's (e.g. we were stalled): we sent weight 0, so catch
             # up instead of applying its merge.
             stale_by = own_clock(self.peer_id, members, get_dht_time()) - int(self.metadata["outer_step"])
             return Verdict(result, None, merged=False, stale_by=stale_by, weights={self.peer_id: 0.0})
+        if laggards:
+            lags = ", ".join(f"{peer} by {lag}" for peer, lag in sorted(laggards.items()))
+            note = f"round discarded: the group weighed partners too far behind this island's outer step ({lags})"
+            logger.warning(note)
+            return self._own(result, note)
         found = strangers(self.metadata, result.partners)
         if found:
             note = f"model or codec mismatch: discarded a round with islands of another kind: {sorted(found)}"
