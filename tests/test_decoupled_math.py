@@ -447,6 +447,10 @@ def test_an_island_that_slept_drops_itself_but_an_impossible_claim_is_ignored():
     assert clock.update(0, {"a": 57}, now, 2.0) == 57  # a newcomer believes the first view it gets
     assert clock.update(57, {"liar": 10**9, "a": 58}, now + 2, 2.0) == 58  # then an impossible jump is ignored
     assert clock.implausible == {"liar": 10**9}
+    alone = SwarmClock()  # joined while the DHT showed nobody: its own steps are no view of the swarm
+    assert alone.update(0, {}, now, 0.2) == 0 and alone.update(1, {}, now + 0.2, 0.2) == 1
+    assert alone.update(2, {"a": 51, "b": 51}, now + 0.4, 0.2) == 51 and alone.implausible == {}
+    assert alone.update(3, {"a": 52, "b": 10**9}, now + 0.6, 0.2) == 52  # from then on, bounded as before
 
 
 def test_a_fresh_island_names_a_partner_its_own_step_shows_too_stale_where_a_pair_weighs_it_in_full():

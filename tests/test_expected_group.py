@@ -24,6 +24,12 @@ def test_islands_missing_from_recent_rounds_and_silent_since_are_not_expected() 
     view["e"] = {"time": float("nan")}  # a record that lies about its time is never expected on that account
     view["f"] = {"time": True}
     assert expected.expected(view, "me") == 5
+    expected.observe(["a", "b"], ended_at=50.0)
+    assert expected.expected(view, "me") == 5  # read one round ago: still waited for
+    expected.observe(["a", "b"], ended_at=60.0)
+    assert expected.expected(view, "me") == 3  # read two rounds ago and still not here: killed after announcing
+    view["c"] = {"time": 55.0}  # a new announce: waited for again
+    assert expected.expected(view, "me") == 4
 
 
 def test_the_target_keeps_a_pair_and_the_quorum_and_stays_under_the_cap() -> None:

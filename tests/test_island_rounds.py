@@ -195,6 +195,23 @@ def test_a_too_stale_island_catches_up_instead_of_exchanging(tmp_path: Path) -> 
     assert second["outer_step"] == 12 and not second["resynced"]
 
 
+def test_an_island_that_joined_an_empty_looking_swarm_catches_up_once_it_sees_the_swarm(tmp_path: Path) -> None:
+    # The DHT showed nobody at join (its bootstrap had just restarted): the island trained from step 0. Its first
+    # view of the swarm, at step 51, is believed: its own steps alone are no view to bound a claim by.
+    records = FakeRecords()
+
+    def alone_then_the_swarm_shows_up(payload, metadata):
+        records.view = {"peer-b": {"outer_step": 51}, "peer-c": {"outer_step": 51}}
+        return ExchangeResult(merged=None, error="no partner within the window")
+
+    exchange = FakeExchange([alone_then_the_swarm_shows_up])
+    node = island(tmp_path, exchange, records, **{"train.outer_steps": 2})
+    exchange.states, exchange.check_max_step = [lambda: None, lambda: donor_state(node, 51)], True
+    first, second = run(node)
+    assert first["outer_step"] == 1 and not first["resynced"]
+    assert second["resynced"] and second["outer_step"] == 51, second["note"]
+
+
 def test_a_too_stale_island_with_no_newer_donor_applies_its_own_update(tmp_path: Path) -> None:
     exchange = FakeExchange([])
     node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 9}}))

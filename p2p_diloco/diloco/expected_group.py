@@ -6,7 +6,9 @@ benchmarks/chaos.py, rounds with one of five islands down waited 1.1 s for a par
 0.4 s with all five. An island expects every other island it merged with in its last few rounds, and any island
 that announced itself after it last merged with it (a newcomer, a restarted or woken island: islands read records
 only every few rounds, so the announce is compared with the last merge, not with a window of rounds that could
-pass before the record is read); an island missing from that many rounds and silent since is no longer waited for.
+pass before the record is read) for as many rounds from when this island read that announce; an island missing from
+that many rounds and silent since is no longer waited for. (Counted from the merge alone, an island killed just after
+its announce was waited for in every round until its record expired: tests/test_expected_group.py.)
 Records carry the announcer's wall clock: a clock that runs ahead only makes us wait the window, as without this.
 """
 
@@ -25,6 +27,8 @@ class ExpectedPartners:
         self.rounds = 0
         self.last_seen: dict[str, tuple[int, float]] = {}
         """Per island: the round (counted here) and the wall-clock time it was last in a group with this island."""
+        self.announce_read: dict[str, tuple[float, int]] = {}
+        """Per island: its newest announce time read here, and the round (counted here) when it was first read."""
 
     def observe(self, partners: Iterable[str], ended_at: float) -> None:
         """Record one finished round: who was in the group, and when it ended (wall-clock seconds)."""
@@ -43,8 +47,16 @@ class ExpectedPartners:
             seen_round, seen_at = self.last_seen.get(peer, (None, -math.inf))
             announced = record.get("time") if isinstance(record, Mapping) else None
             recent = seen_round is not None and self.rounds - seen_round < self.memory_rounds
-            count += recent or (_number(announced) and announced > seen_at)
+            announced_since = _number(announced) and announced > seen_at
+            count += recent or (announced_since and self.rounds - self._read_at(peer, announced) < self.memory_rounds)
         return count
+
+    def _read_at(self, peer: str, announced: float) -> int:
+        """The round in which this island first read `peer`'s announce at time `announced`."""
+        known = self.announce_read.get(peer)
+        if known is None or known[0] != announced:
+            self.announce_read[peer] = known = (announced, self.rounds)
+        return known[1]
 
 
 def group_target(expected: int | None, quorum: int, cap: int) -> int:

@@ -155,6 +155,10 @@ class SwarmClock:
         self.implausible: dict[Any, int] = {}
         """Claims the last update ignored or outvoted as impossible, by who made them."""
         self._recent_rounds: deque[float] = deque(maxlen=PACE_ROUNDS)
+        self.heard_from_swarm = False
+        """Whether any other island's claim reached this clock. Until one did, the clock is only this island's step
+        and bounds nothing: a newcomer that joined while the DHT looked empty (a bootstrap that had just restarted)
+        took its own step 0 for the swarm's and refused every honest island at step 51 as impossible, for good."""
 
     @property
     def pace_s(self) -> float | None:
@@ -165,10 +169,11 @@ class SwarmClock:
         """Fold in this island's step and the steps the other live islands claim; returns the clock."""
         claims = dict(others)
         self._recent_rounds.append(round_s)
-        if self.value is not None:
+        if self.value is not None and self.heard_from_swarm:
             limit = plausible_limit(self.value, now - self.time, self.pace_s)
             claims = {who: claim for who, claim in claims.items() if claim <= limit}
         self.value, self.time = max(own, robust_clock(list(claims.values()))), now
+        self.heard_from_swarm = self.heard_from_swarm or bool(claims)
         far = 2 * self.value + 10  # beyond any honest lead: name it even when the robust clock outvoted it
         self.implausible = {who: claim for who, claim in others.items() if who not in claims or claim > far}
         return self.value
