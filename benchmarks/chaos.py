@@ -4,7 +4,9 @@ The same schedule runs against p2p-diloco's default decoupled mode (quorum K=1, 
 synchronous mode where every island waits for the whole swarm, each also once without faults. Reports
 goodput (useful training tokens per second summed over islands, relative to the same mode without faults),
 the final eval loss, the time from a restart to the restarted island's first merged round, and whether any
-island exited with an error it should have survived.
+island exited with an error it should have survived. Each island runs under a CPU quota of the machine's cores /
+islands (`--island-cpus`, `lib/cpu_quota.py`), as on a machine of its own: without one, a dead island's CPU sped the
+others up and a restarting island's imports slowed them down.
 
     python benchmarks/chaos.py            # 5 islands, 90 s per run, 6 runs (about 11 minutes)
     python benchmarks/chaos.py --quick    # 3 islands, 30 s per run
@@ -14,6 +16,7 @@ island exited with an error it should have survived.
 from __future__ import annotations
 
 import itertools
+import os
 import random
 import shutil
 import signal
@@ -23,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lib.common import TINY, benchmark_parser, provenance, write_result
+from lib.cpu_quota import CpuQuotas
 
 from p2p_diloco.cli.launcher import LocalSwarm, PeerProcess
 
@@ -91,10 +95,13 @@ class Faults:
 class ChaosSwarm:
     """A bootstrap and islands of one mode, each with the time left of the run's budget when (re)started."""
 
-    def __init__(self, mode: str, *, islands: int, budget: float, inner_steps: int, tiny: bool, folder: Path):
+    def __init__(
+        self, mode: str, *, islands: int, budget: float, inner_steps: int, tiny: bool, folder: Path, quotas: CpuQuotas
+    ):
         self.mode, self.islands, self.budget, self.inner_steps = mode, islands, budget, inner_steps
         self.config = TINY if tiny else None
         self.swarm = LocalSwarm(folder, run_id=f"chaos-{mode}")
+        self.quotas = quotas
         self.started = time.monotonic()
 
     def island(self, index: int) -> PeerProcess:
@@ -107,7 +114,7 @@ class ChaosSwarm:
         args = ["--shard-index", str(index), "--num-shards", str(self.islands), "--outer-steps", "100000"]
         args += ["--time-budget-s", str(max(1.0, remaining)), "--inner-steps", str(self.inner_steps)]
         args += ["--target-group-size", str(self.islands), "--next-chunk-timeout", "3", "--batch-size", "8", *flags]
-        return self.swarm.peer(f"island-{index}", *args, config=self.config)
+        return self.swarm.peer(f"island-{index}", *args, config=self.config, command_prefix=self.quotas.prefix(index))
 
     def run(self, schedule: Schedule | None) -> Faults:
         """Start every island, inject the faults, wait for every island to finish its budget; stop everything."""
@@ -121,6 +128,7 @@ class ChaosSwarm:
                 peer.wait(max(30.0, self.budget - (time.monotonic() - self.started) + 120))
         finally:
             self.swarm.close()  # wakes frozen islands first
+            self.quotas.close()
         return faults
 
     def inject(self, events: list[tuple[float, str, int]]) -> Faults:
@@ -223,12 +231,11 @@ def unexpected_errors(chaos: ChaosSwarm, folder: Path) -> list[str]:
     return errors + fatal
 
 
-def run(
-    mode: str, schedule: Schedule | None, *, islands: int, budget: float, inner_steps: int, tiny: bool, folder: Path
-) -> dict:
-    """One run of `budget` seconds; returns its measurements."""
+def run(mode: str, schedule: Schedule | None, *, budget: float, folder: Path, **swarm) -> dict:
+    """One run of `budget` seconds (`swarm`: ChaosSwarm's other settings); returns its measurements."""
     shutil.rmtree(folder, ignore_errors=True)  # an earlier run's checkpoints would be resumed from
-    chaos = ChaosSwarm(mode, islands=islands, budget=budget, inner_steps=inner_steps, tiny=tiny, folder=folder)
+    chaos = ChaosSwarm(mode, budget=budget, folder=folder, **swarm)
+    islands = chaos.islands
     faults = chaos.run(schedule)
     wall = time.monotonic() - chaos.started
     records = {index: chaos.island(index).records() for index in range(islands)}
@@ -273,7 +280,9 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def run_all(schedule: Schedule, islands: int, budget: float, *, smoke: bool, out: Path, pairs: int = 1) -> list[dict]:
+def run_all(
+    schedule: Schedule, islands: int, budget: float, *, smoke: bool, out: Path, quotas: CpuQuotas, pairs: int = 1
+) -> list[dict]:
     """Both modes, each without and with the fault schedule; the decoupled mode's pair `pairs` times (a clean run's
     tokens alone moved 7% between two runs on this shared machine, the goodput with it)."""
     runs = []
@@ -289,6 +298,7 @@ def run_all(schedule: Schedule, islands: int, budget: float, *, smoke: bool, out
                 inner_steps=10 if smoke else 20,
                 tiny=smoke,
                 folder=out / "chaos-runs" / label,
+                quotas=quotas,
             )
             runs.append({**row, "pair": pair})
             print(
@@ -353,6 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         __doc__, quick="3 islands, 30 s per run", smoke="3 islands, tiny model, short runs (used by the tests)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--island-cpus",
+        type=float,
+        help="CPU quota per island in cores, as on machines of their own (default: this machine's cores / islands; "
+        "0: none, islands share the machine's cores)",
+    )
     args = parser.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     islands, budget, kill_every, restart_after, stop_every, stop_for = PRESETS[preset]
@@ -360,12 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     schedule = Schedule.make(seed=args.seed, islands=islands, budget=budget, **timing)
     print(f"fault schedule: {schedule.events}", flush=True)
     pairs = 1 if args.smoke or args.quick else 2
-    runs = run_all(schedule, islands, budget, smoke=args.smoke, out=args.out, pairs=pairs)
+    cpus = (os.cpu_count() or 1) / islands if args.island_cpus is None else args.island_cpus
+    quotas = CpuQuotas("p2p-chaos", cpus)
+    print(f"CPU per island: {cpus:.2f} cores, {quotas.mode}", flush=True)
+    runs = run_all(schedule, islands, budget, smoke=args.smoke, out=args.out, quotas=quotas, pairs=pairs)
     result = {
         **provenance("chaos.py", argv),
         "islands": islands,
         "budget_s": budget,
         "schedule": {"seed": args.seed, **timing, "events": schedule.events},
+        "island_cpus": cpus if quotas.active else None,
+        "cpu_quota": quotas.mode,
         **summarise(runs, islands, budget),
         "runs": runs,
     }

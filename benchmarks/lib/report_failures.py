@@ -22,6 +22,12 @@ def chaos(data: dict) -> str:
     header = ["mode", "goodput (vs no faults)", "each pair of runs", "final eval loss", "restart → first merge (s)"]
     header += ["restarts killed again before merging", "unexpected errors"]
     text = table(header, rows)
+    if "cpu_quota" in data:
+        cpus = data.get("island_cpus")
+        text = (
+            f"CPU per island: {'unlimited' if cpus is None else fmt(cpus, 2) + ' cores'} ({data['cpu_quota']})\n\n"
+            + text
+        )
     shares, phases = data.get("goodput_breakdown", {}), data.get("restart_breakdown_mean_s", {})
     if shares:
         keys = ("schedule_downtime", "restart_startup", "other", "goodput_of_available")
