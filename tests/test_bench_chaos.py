@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from benchmarks_path import BENCHMARKS
 from chaos import Schedule, schedule_downtime  # noqa: E402
+from lib.cpu_quota import CpuQuotas  # noqa: E402
 
 
 def test_schedule_is_seeded_and_never_hits_a_down_island() -> None:
@@ -22,6 +24,22 @@ def test_schedule_is_seeded_and_never_hits_a_down_island() -> None:
             down[island] = action
         else:
             down.pop(island)
+
+
+def test_an_island_runs_under_its_cpu_quota_and_the_group_goes_with_the_run() -> None:
+    assert CpuQuotas("p2p-test", 0).prefix(0) == [] and CpuQuotas("p2p-test", None).mode.startswith("none")
+    quotas = CpuQuotas("p2p-test", 0.25)
+    if not quotas.active:  # islands then run unconstrained, and the JSON says why
+        pytest.skip(f"no CPU quotas here: {quotas.mode}")
+    try:
+        shown = subprocess.run([*quotas.prefix(1), "cat", "/proc/self/cgroup"], capture_output=True, text=True)
+        group = quotas.groups[1]
+        assert shown.returncode == 0 and group.name in shown.stdout, shown
+        quota = group / ("cpu.cfs_quota_us" if "v1" in quotas.mode else "cpu.max")
+        assert quota.read_text().split()[0] == "25000"
+    finally:
+        quotas.close()
+    assert not group.exists()
 
 
 def test_downtime_counts_killed_and_frozen_island_seconds() -> None:
