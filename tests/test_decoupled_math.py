@@ -458,13 +458,17 @@ def test_a_fresh_island_names_a_partner_its_own_step_shows_too_stale_where_a_pai
     woken = {"outer_step": 3, "swarm_step": 3, "base_weight": 1.0}  # frozen at 3, its view too young to doubt
     fresh = {"outer_step": 9, "swarm_step": 9, "base_weight": 1.0}
     pair = {"woken": woken, "fresh": fresh}
+
+    def stale(me: str, members: dict) -> dict:
+        return stale_partners(me, members, group_weights(members, rule), rule)
+
     assert group_weights(pair, rule) == {"woken": 1.0, "fresh": 1.0}  # two claims: the clock is the lower one
-    assert stale_partners("fresh", pair, rule) == {"woken": 6}
-    assert stale_partners("woken", pair, rule) == {}  # a partner ahead is never "stale"
+    assert stale("fresh", pair) == {"woken": 6}
+    assert stale("woken", pair) == {}  # a partner ahead is never "stale"
     within = {"behind": {**woken, "outer_step": 6, "swarm_step": 6}, "fresh": fresh}
-    assert stale_partners("fresh", within, rule) == {}  # 3 behind: within --max-staleness
+    assert stale("fresh", within) == {}  # 3 behind: within --max-staleness
     trio = {**pair, "other": {**fresh, "outer_step": 8, "swarm_step": 8}}
-    assert group_weights(trio, rule)["woken"] == 0.0 and stale_partners("fresh", trio, rule) == {}  # outvoted
+    assert group_weights(trio, rule)["woken"] == 0.0 and stale("fresh", trio) == {}  # outvoted
 
 
 def test_a_round_stretched_by_a_freeze_does_not_slow_the_clock_it_judges_the_swarm_by():

@@ -105,14 +105,16 @@ def own_weight(me: K, members: Mapping[K, Mapping[str, Any]], rule: StalenessRul
     return group_weights(members, rule)[me]
 
 
-def stale_partners(me: K, members: Mapping[K, Mapping[str, Any]], rule: StalenessRule) -> dict[K, int]:
-    """Members the group weighed although this member's own step shows them too stale: key -> steps behind.
+def stale_partners(
+    me: K, members: Mapping[K, Mapping[str, Any]], weights: Mapping[K, float], rule: StalenessRule
+) -> dict[K, int]:
+    """Members the group weighed (`weights`, from `group_weights`) although this member's own step shows them too
+    stale: key -> steps behind.
 
     The group's clock is the K-th highest claim, so in a group of two it is the lower one, and an island woken from
-    a freeze with a view too old to doubt merges at full weight. Its partner knows its own step for certain (a
-    member can only make itself look older, never make another look older), and discards such a round.
+    a freeze, its view too young to doubt its partner's lead, merges at full weight. Its partner knows its own step
+    for certain (a member can only make itself look older, never another), and discards such a round.
     """
-    weights = group_weights(members, rule)
     mine = int(members[me]["outer_step"])
     behind = {key: mine - int(member["outer_step"]) for key, member in members.items() if key != me}
     return {key: lag for key, lag in behind.items() if weights[key] > 0 and rule.factor(lag) is None}
@@ -169,7 +171,7 @@ class SwarmClock:
         """Fold in this island's step and the steps the other live islands claim; returns the clock."""
         claims = dict(others)
         self._recent_rounds.append(round_s)
-        if self.value is not None and self.heard_from_swarm:
+        if self.heard_from_swarm:  # then a value is set
             limit = plausible_limit(self.value, now - self.time, self.pace_s)
             claims = {who: claim for who, claim in claims.items() if claim <= limit}
         self.value, self.time = max(own, robust_clock(list(claims.values()))), now

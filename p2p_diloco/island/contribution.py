@@ -94,7 +94,7 @@ class Contribution:
         try:
             weights = group_weights(members, self.staleness_rule)
             mine = own_weight(self.peer_id, members, self.staleness_rule, get_dht_time())
-            laggards = stale_partners(self.peer_id, members, self.staleness_rule)
+            laggards = stale_partners(self.peer_id, members, weights, self.staleness_rule)
         except (KeyError, TypeError, ValueError):  # an island of another kind: the agreement check below discards it
             weights, mine, laggards = {}, None, {}
         if mine == 0.0:
