@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,12 @@ def run_island(folder: Path, *args: str, ranks: int = 1, timeout: float = 180) -
     elif "--island-parallel" in args:  # one rank of torch.distributed: what a 1-GPU torchrun island runs
         command[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "p2p_diloco"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    if ranks > 1 and done.returncode != 0 and "killed by SIGABRT" in done.stderr and not latest_checkpoint(folder):
+        # One retry, in a fresh folder: a rank aborted inside torch's gloo start-up once in about 30 CI runs
+        # ("terminate called without an active exception" before any step); its stack is printed for the record.
+        print(f"rank aborted at start-up, retrying once:\n{done.stderr[-3000:]}", flush=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return load_checkpoint(latest_checkpoint(folder))
 
@@ -232,3 +239,8 @@ def test_the_launcher_names_the_killed_rank_not_the_rank_that_noticed() -> None:
     crashed.timestamp = 999
     assert first_own_failure(ChildFailedError("peer", {0: noticed, 2: crashed, 1: killed}))[0] == 2
     assert first_own_failure(ChildFailedError("peer", {0: noticed}))[0] == 0
+    # The agent SIGTERMs the others when one rank aborts: the aborted one is named, not the one it stopped.
+    aborted = ProcessFailure(local_rank=1, pid=103, exitcode=-signal.SIGABRT, error_file="/nonexistent")
+    terminated = ProcessFailure(local_rank=0, pid=104, exitcode=-signal.SIGTERM, error_file="/nonexistent")
+    aborted.timestamp = terminated.timestamp = 1_000
+    assert first_own_failure(ChildFailedError("peer", {0: terminated, 1: aborted}))[0] == 1

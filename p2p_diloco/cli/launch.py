@@ -69,7 +69,8 @@ def describe_failure(rank: int, failure: object) -> str:
 def first_own_failure(failed: object) -> tuple[int, object]:
     """The rank that failed first on its own, passing over ranks that only exited because the island broke.
 
-    The agent stamps failures in whole seconds, so a SIGKILLed rank and the rank 0 that noticed it often tie.
+    The agent stamps failures in whole seconds, so a SIGKILLed rank and the rank 0 that noticed it often tie; a
+    rank ended by SIGTERM in the same second was most likely stopped by the agent because another one failed.
     """
     from p2p_diloco.island.ranks import LOST_RANKS_EXIT
 
@@ -77,7 +78,13 @@ def first_own_failure(failed: object) -> tuple[int, object]:
     own = {rank: f for rank, f in failures.items() if getattr(f, "exitcode", None) != LOST_RANKS_EXIT}
     if not own:
         return failed.get_first_failure()
-    signalled_first = sorted(own.items(), key=lambda item: (item[1].timestamp, item[1].exitcode >= 0, item[0]))
+    stopped = -signal.SIGTERM
+
+    def order(item: tuple[int, object]) -> tuple:
+        rank, failure = item
+        return (failure.timestamp, failure.exitcode == stopped, failure.exitcode >= 0, rank)
+
+    signalled_first = sorted(own.items(), key=order)
     return signalled_first[0]
 
 

@@ -8,6 +8,8 @@ gathered one parameter at a time) and whose every outer step reaches the ranks t
 
 from __future__ import annotations
 
+import atexit
+import faulthandler
 import logging
 import os
 import shutil
@@ -188,10 +190,12 @@ def receive_weights(trainer: LocalTrainer) -> None:
         load_whole(parameter, None)
 
 
-def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> int:
-    """This rank's part of a multi-process island (started by torchrun or `peer --nproc-per-node`); exit code."""
+def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> NoReturn:
+    """Run this rank's part of a multi-process island (started by torchrun or `peer --nproc-per-node`), then exit."""
     island = config.island
     die_with_parent()  # a launcher killed outright must not leave its ranks (and rank 0's daemons) behind
+    # A rank aborted by native code (gloo, NCCL: "terminate called ...") otherwise dies without a Python stack.
+    faulthandler.enable(all_threads=True)
     ranks = RankGroup.from_environment(island.parallel, config.train.device, island.rank_timeout_s)
     torch.set_num_threads(config.train.threads)
     stop.hard_after_s = RANK_STOP_S
@@ -203,7 +207,8 @@ def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> int:
             logging.getLogger("p2p_diloco").setLevel(max(logging.WARNING, logging.getLogger().level))
             follow(config, ranks)
             broken = False
-            return 0
+            ranks.close()
+            exit_at_once(0)
         from p2p_diloco.island.island import Island
 
         trainer = LeaderTrainer(config, ranks)
@@ -211,7 +216,10 @@ def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> int:
         Island(config, stop=stop, trainer=trainer).run()
         trainer.close()
         broken = False
-        return stop.exit_code
+        ranks.close()
+        if stop.requested:
+            print(f"p2p-diloco peer: stopped by {stop.name}; the last checkpoint is kept", file=sys.stderr)
+        exit_at_once(stop.exit_code)
     except UserError:
         broken = False  # the island refused to start (a one-line error follows): leave the group cleanly
         raise
@@ -229,6 +237,21 @@ def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> int:
     finally:
         if not broken:
             ranks.close()
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End a rank that finished cleanly and left its group, skipping the interpreter's native teardown.
+
+    Torch 2.13's gloo can abort or segfault in its static destructors at exit (2 in 12 runs here: "terminate
+    called without an active exception", no Python frame), failing an island whose work was done and saved.
+    Python's own exit handlers still run (`atexit._run_exitfuncs`: private, but the only way to run them before
+    `os._exit`; they remove temporary identity folders).
+    """
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def leave_now(message: str, code: int) -> NoReturn:
