@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,12 +31,6 @@ def run_island(folder: Path, *args: str, ranks: int = 1, timeout: float = 180) -
     elif "--island-parallel" in args:  # one rank of torch.distributed: what a 1-GPU torchrun island runs
         command[1:3] = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1", "-m", "p2p_diloco"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    if ranks > 1 and done.returncode != 0 and "killed by SIGABRT" in done.stderr and not latest_checkpoint(folder):
-        # One retry, in a fresh folder: a rank aborted inside torch's gloo start-up once in about 30 CI runs
-        # ("terminate called without an active exception" before any step); its stack is printed for the record.
-        print(f"rank aborted at start-up, retrying once:\n{done.stderr[-3000:]}", flush=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return load_checkpoint(latest_checkpoint(folder))
 
