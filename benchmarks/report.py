@@ -11,6 +11,7 @@ from pathlib import Path
 
 from lib.markdown import fmt, table
 from lib.report_failures import chaos, restart
+from lib.targets import target_rows
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -318,6 +319,23 @@ def _times() -> list[str]:
     ]
 
 
+def _targets() -> list[str]:
+    """The issue's targets against the figures of the result files below, met or not."""
+    results = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}
+    rows = target_rows(results)
+    if not rows:
+        return []
+    met = sum(row[-1] == "yes" for row in rows)
+    return [
+        "",
+        "## Where the targets stand",
+        "",
+        f'The targets of "Toward the limits", read from the result files below: {met} of {len(rows)} met.',
+        "",
+        table(["figure", "ours", "target", "met"], rows),
+    ]
+
+
 def main() -> int:
     """Regenerate BENCHMARKS.md."""
     parts = [
@@ -328,6 +346,7 @@ def main() -> int:
         "Each table names the command that produced it, its date and the machine. "
         "These machines are shared and noisy: compare rows of one table, not absolute times across tables.",
     ]
+    parts += _targets()
     for name, title, render in SECTIONS:
         path = RESULTS / f"{name}.json"
         if not path.exists():

@@ -65,3 +65,39 @@ def test_the_report_marks_partial_seeds_steady_tcp_and_scripts_not_run() -> None
     }
     bandwidth = report.bandwidth({"H": 100, "seeds": [0], "by_H": {"100": block}})
     assert "| 100 | topk | 9000.0000 | - | 40.0000 | 1.7500 | 3.0000 |" in bandwidth
+
+
+def test_the_targets_table_judges_each_figure_from_its_result_file() -> None:
+    import benchmarks_path  # noqa: F401
+    from lib.targets import target_rows
+
+    exchange = {
+        "rows": [
+            {"system": "gloo", "codec": "fp32", "values": 10, "peers": 2, "seconds": 1.0},
+            {
+                "system": "p2p_diloco",
+                "codec": "fp32",
+                "values": 10,
+                "peers": 2,
+                "seconds": 2.0,
+                "speedup_vs_hivemind": 3,
+            },
+            {
+                "system": "p2p_diloco",
+                "codec": "int8",
+                "values": 10,
+                "peers": 2,
+                "seconds": 5.0,
+                "speedup_vs_hivemind": 1.5,
+            },
+        ]
+    }
+    chaos = {"goodput": {"decoupled": 0.92}, "restart_breakdown_mean_s": {"decoupled": {"restore_s": 1, "total_s": 3}}}
+    rows = {row[0]: row[1:] for row in target_rows({"exchange": exchange, "chaos": chaos})}
+    assert rows["exchange fp32: speed-up over stock hivemind (10M/50M x 2/4 peers)"] == ["3.00", ">= 2x", "yes"]
+    assert rows["exchange int8: speed-up over stock hivemind (10M/50M x 2/4 peers)"][-1] == "no"
+    assert rows["exchange fp32: gloo fp32's time / ours"] == ["0.50", ">= 0.25", "yes"]
+    assert rows["exchange int8: gloo fp32's time / ours"] == ["0.20", ">= 0.25", "no"]
+    assert rows["goodput under chaos, decoupled"] == ["0.92", ">= 0.90", "yes"]
+    assert rows["restart to first merge / state transfer (chaos)"] == ["3.0x", "<= 2x", "no"]
+    assert target_rows({}) == []  # no result files, no rows
