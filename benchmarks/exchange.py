@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from lib.codec_cost import codec_ms_per_million, round_codec_s
 from lib.common import benchmark_parser, provenance, write_result
 from lib.exchange_report import add_ratios, plot, print_table, profile_summary, versions
 from lib.exchange_runs import run_config
@@ -124,6 +125,10 @@ def describe(args: argparse.Namespace, rounds: int) -> dict:
             "cpu_s_per_round": "CPU seconds of all peers' processes by role (main, averager, dht, p2pd) per "
             "timed round; cpu_busy_fraction = that over wall time x cores",
             "other_load_cpu_s_per_round": "CPU used by other processes on the machine meanwhile",
+            "codec_ms_per_million": "one core's milliseconds to encode / decode a million values with each codec "
+            "(lib/codec_cost.py, the averager's own code)",
+            "codec_s_estimate": "one peer's codec work in the round at those rates: encode N values, decode "
+            "2(M-1)/M N; stock hivemind's int8 is the same bitsandbytes codec",
         },
         "settings": {
             "warmup_rounds": args.warmup,
@@ -159,11 +164,16 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     rows, profile_rows = run_all(args, values, peers, rounds)
     add_ratios(rows)
+    codec_costs = codec_ms_per_million()
+    for row in rows:
+        if row.get("codec", "fp32") in codec_costs:
+            row["codec_s_estimate"] = round_codec_s(codec_costs, row["codec"], row["values"], row["peers"])
     result = {
         **provenance("exchange.py", argv),
         "versions": versions(),
         **describe(args, rounds),
         "rows": rows,
+        "codec_ms_per_million": codec_costs,
         "profile": profile_summary(rows, profile_rows),
         "runtime_s": time.monotonic() - started,
     }

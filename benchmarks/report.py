@@ -59,7 +59,18 @@ def exchange(data: dict) -> str:
         for row in data["rows"]
     ]
     header = ["values", "peers", "system", "codec", "seconds/round", "GB/s", "x gloo fp32", "speedup vs hivemind"]
-    return table(header, rows)
+    text = table(header, rows)
+    costs = data.get("codec_ms_per_million")
+    if costs:
+        text += "\n\nCodec CPU on one core, ms per million values: " + ", ".join(
+            f"{name} encode {cost['encode']:.1f} / decode {cost['decode']:.1f}" for name, cost in costs.items()
+        )
+        estimates = [r for r in data["rows"] if r["system"] == "p2p_diloco" and r.get("codec_s_estimate")]
+        text += ". One peer's codec work per round at those rates: " + ", ".join(
+            f"{r['values'] / 1e6:g}M x {r['peers']} {r['codec']} {r['codec_s_estimate']:.2f} s of {r['seconds']:.2f} s"
+            for r in estimates
+        )
+    return text
 
 
 def link(data: dict) -> str:
@@ -320,19 +331,20 @@ def _times() -> list[str]:
 
 
 def _targets() -> list[str]:
-    """The issue's targets against the figures of the result files below, met or not."""
+    """The issue's targets against the figures of the result files below: met or not, and why not."""
     results = {path.stem: json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))}
     rows = target_rows(results)
     if not rows:
         return []
-    met = sum(row[-1] == "yes" for row in rows)
+    met = sum(row[3] == "yes" for row in rows)
     return [
         "",
         "## Where the targets stand",
         "",
-        f'The targets of "Toward the limits", read from the result files below: {met} of {len(rows)} met.',
+        f'The targets of "Toward the limits", read from the result files below: {met} of {len(rows)} met; for each '
+        "one not met, what stands in the way, in figures from the same files.",
         "",
-        table(["figure", "ours", "target", "met"], rows),
+        table(["figure", "ours", "target", "met", "what stands in the way"], rows),
     ]
 
 
