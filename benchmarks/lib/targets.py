@@ -100,10 +100,12 @@ def _link(data: dict, results: dict) -> list[Row]:
             worst = max(mine, key=lambda r: r["ratio_to_limit"])
             encode_s = costs[codec]["encode"] * worst["values"] / 1e9
             why = (
-                f"encoding: one island encodes its {worst['values'] / 1e6:g}M values in about {encode_s:.2f} s on one "
-                f"core (exchange.json's codec rates), against {worst['limit_s']:.2f} s of wire time: "
-                f"{1 + encode_s / worst['limit_s']:.2f}x if nothing overlaps, with {worst['islands']} islands on 2 "
-                "cores; encoding part k + 1 while part k is on the wire, and a faster encoder, would remove it"
+                f"encoding: one island encodes at least its {worst['values'] / 1e6:g}M values per round, "
+                f"{encode_s:.2f} s on one core at exchange.json's codec rates, against {worst['limit_s']:.2f} s of "
+                f"wire "
+                f"time ({1 + encode_s / worst['limit_s']:.2f}x if nothing overlaps), and {worst['islands']} islands "
+                "share 2 cores here; encoding part k + 1 while part k is on the wire, and a faster encoder, would "
+                "remove it"
             )
         out.append(
             (
