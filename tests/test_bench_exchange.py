@@ -41,3 +41,7 @@ def test_exchange_benchmark_smoke(tmp_path: Path) -> None:
         assert row["ratio_to_gloo"] > 0
     assert next(row for row in rows if row["system"] == "gloo")["ratio_to_gloo"] == pytest.approx(1.0)
     assert (tmp_path / "exchange-smoke.png").stat().st_size > 0
+    costs = result["codec_ms_per_million"]  # the codec's CPU beside the round it is part of
+    assert set(costs) == {"int8", "int4", "int2"} and all(c["encode"] > 0 and c["decode"] > 0 for c in costs.values())
+    int8 = next(row for row in rows if (row["system"], row["codec"]) == ("p2p_diloco", "int8"))
+    assert int8["codec_s_estimate"] == pytest.approx((costs["int8"]["encode"] + costs["int8"]["decode"]) / 1e3)
