@@ -77,6 +77,11 @@ class GracefulStop:
         """SIGINT or SIGTERM."""
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
+    def report_checkpoint_kept(self) -> None:
+        """Say on stderr, after a stop that was asked for, that the island ended at a safe point."""
+        if self.requested:
+            print(f"{self.what}: stopped by {self.name}; the last checkpoint is kept", file=sys.stderr)
+
     def wait(self, timeout: float) -> bool:
         """Sleep up to `timeout` seconds, waking as soon as a stop is requested; True if one was."""
         return self._event.wait(timeout)

@@ -90,6 +90,5 @@ def run(args: argparse.Namespace) -> int:
     except Stopped as stopped:
         print(f"p2p-diloco peer: stopped by {stopped} before training started", file=sys.stderr)
         return stopped.exit_code
-    if stop.requested:
-        print(f"p2p-diloco peer: stopped by {stop.name}; the last checkpoint is kept", file=sys.stderr)
+    stop.report_checkpoint_kept()
     return stop.exit_code

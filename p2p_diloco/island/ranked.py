@@ -217,8 +217,7 @@ def run_ranked_island(config: PeerConfig, stop: GracefulStop) -> NoReturn:
         trainer.close()
         broken = False
         ranks.close()
-        if stop.requested:
-            print(f"p2p-diloco peer: stopped by {stop.name}; the last checkpoint is kept", file=sys.stderr)
+        stop.report_checkpoint_kept()
         exit_at_once(stop.exit_code)
     except UserError:
         broken = False  # the island refused to start (a one-line error follows): leave the group cleanly
