@@ -21,7 +21,7 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType
 
 from p2p_diloco.net.reducers import RobustPartReducer, StrictPartReducer
-from p2p_diloco.net.repair import ServedParts, valid_first_part
+from p2p_diloco.net.repair import REPAIR_WINDOW_S, ServedParts, valid_first_part
 from p2p_diloco.process import kill_process_tree
 
 MEMBER = Path(__file__).with_name("exchange_member.py")
@@ -115,6 +115,47 @@ def test_a_resend_of_a_part_the_round_never_produces_times_out() -> None:
 
     with pytest.raises(asyncio.TimeoutError):
         asyncio.run(scenario())
+
+
+def test_a_reducer_shutting_down_stays_for_a_resend_under_way_and_its_window() -> None:
+    async def scenario() -> tuple[list[str], float]:
+        served = ServedParts(b"group", [], num_parts=2)
+        await served.serialized(0, torch.ones(4), NONE)
+        served.end_round()
+        events: list[str] = []
+        resend = served.resend(0, NONE, timeout=5.0)
+        await resend.__anext__()  # a member is being sent its lost parts; part 1 is not produced yet
+
+        async def finish_resend() -> None:
+            await served.serialized(1, torch.ones(4), NONE)
+            await resend.__anext__()
+            events.append("resent")
+            await resend.aclose()
+
+        finisher = asyncio.get_running_loop().call_later(0.1, lambda: asyncio.ensure_future(finish_resend()))
+        await served.linger(budget=5.0)
+        events.append("lingered")
+        finisher.cancel()
+        return events, time.monotonic() - served.ended_at
+
+    events, since_end = asyncio.run(scenario())
+    assert events == ["resent", "lingered"], "shutdown waited for the resend under way"
+    assert since_end >= REPAIR_WINDOW_S, "and for the window in which a member may still ask"
+
+
+def test_a_reducer_shutting_down_never_lingers_past_its_budget() -> None:
+    async def scenario() -> float:
+        served = ServedParts(b"group", [], num_parts=2)
+        served.end_round()
+        stuck = served.resend(0, NONE, timeout=60.0)  # waits for a part the round never produces
+        waiting = asyncio.ensure_future(stuck.__anext__())
+        await asyncio.sleep(0)
+        started = time.monotonic()
+        await served.linger(budget=0.3)
+        waiting.cancel()
+        return time.monotonic() - started
+
+    assert asyncio.run(scenario()) < REPAIR_WINDOW_S
 
 
 @pytest.mark.parametrize("value", [-1.0, 3.0, 0.5, float("nan"), float("inf")])
@@ -237,7 +278,8 @@ def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays
     members.go()
     results = [members.result(process) for process in members.processes]
     mean = _true_mean(seeds, size)
-    assert all(result["merged"] is not None for result in results), results
+    tails = "\n\n".join(log.read_text()[-3000:] for log in logs)
+    assert all(result["merged"] is not None for result in results), (results, tails)
     for result in results:
         assert result["merged"]["sum"] == pytest.approx(float(mean.double().sum()), abs=1e-2)
         torch.testing.assert_close(torch.tensor(result["merged"]["first"]), mean[:4], atol=1e-6, rtol=0)

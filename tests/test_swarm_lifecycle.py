@@ -54,7 +54,9 @@ def test_a_swarm_survives_its_bootstrap(local_swarm: LocalSwarm, tmp_path: Path)
     newcomer = local_swarm.peer("newcomer", *LONG, "--shard-index", "2", "--num-shards", "4")
     wait_until(lambda: merges(newcomer) >= 2, 180, "the newcomer to join the running swarm")
     log = newcomer.log_text()
-    assert "starting from swarm state at outer step" in log or "resynced to outer step" in log, log[-3000:]
+    # Its first DHT lookup may find the swarm's state, or it starts fresh and its first round resynchronises it.
+    joined = ("starting from swarm state at outer step", "resynced to outer step", "resynchronised anchor from")
+    assert any(line in log for line in joined), log[-3000:]
     swarm_step = max(record["outer_step"] for peer in early for record in peer.records())
     assert newcomer.records()[-1]["outer_step"] >= swarm_step - 2
 

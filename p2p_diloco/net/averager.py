@@ -100,6 +100,9 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:
+        if self._served is not None:  # a member of our last round may still ask for parts its reply stream lost
+            # Within the parent's wait for this process (`shutdown_timeout`), less a second for the rest.
+            await self._served.linger(max(0.0, (timeout or 0.0) - 1.0))
         if self._direct_lanes is not None:
             self._direct_lanes.close()
         # Overrides hivemind's private shutdown: a stop signal sent to the whole process group (systemd's default,
@@ -165,6 +168,8 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
             for tensor, saved in zip(tensors, backup):
                 tensor.copy_(saved)
             raise
+        finally:
+            runner.served.end_round()
 
     def _backup_of(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """A copy of `tensors` in buffers kept across rounds (a fresh 200 MB clone per round cost ~50k page faults)."""
