@@ -22,6 +22,7 @@ from p2p_diloco.diloco.staleness import (
     SwarmClock,
     agreeing,
     group_weights,
+    implausible_claims,
     own_weight,
     robust_clock,
     stale_partners,
@@ -451,6 +452,17 @@ def test_an_island_that_slept_drops_itself_but_an_impossible_claim_is_ignored():
     assert alone.update(0, {}, now, 0.2) == 0 and alone.update(1, {}, now + 0.2, 0.2) == 1
     assert alone.update(2, {"a": 51, "b": 51}, now + 0.4, 0.2) == 51 and alone.implausible == {}
     assert alone.update(3, {"a": 52, "b": 10**9}, now + 0.6, 0.2) == 52  # from then on, bounded as before
+
+
+def test_only_an_island_with_a_view_of_the_swarm_names_an_impossible_claim():
+    now = 1000.0
+    member = {"outer_step": 9, "swarm_step": 9, "base_weight": 1.0, "ready": now, "round_s": 2.0}
+    honest, liar = {**member, "outer_step": 10, "swarm_step": 10}, {**member, "swarm_step": 10**6}
+    assert implausible_claims("me", {"me": member, "honest": honest, "liar": liar}, now) == {"liar": 10**6}
+    # Started fresh and found no records (a restarted bootstrap): a lead of 52 steps may well be true.
+    newcomer = {**member, "outer_step": 0, "swarm_step": 0}
+    assert implausible_claims("me", {"me": newcomer, "honest": {**member, "outer_step": 52}}, now) == {}
+    assert own_weight("me", {"me": newcomer, "liar": liar}, StalenessRule(3, 0.5), now) == 1.0  # ignored all the same
 
 
 def test_a_fresh_island_names_a_partner_its_own_step_shows_too_stale_where_a_pair_weighs_it_in_full():

@@ -132,6 +132,18 @@ def claim_limit(mine: Mapping[str, Any], now: float) -> int:
     return plausible_limit(_claim(mine), age, float(mine.get("round_s", 1.0)))
 
 
+def implausible_claims(me: K, members: Mapping[K, Mapping[str, Any]], now: float) -> dict[K, int]:
+    """Partners whose claimed step is beyond what the swarm can have reached by this member's view: key -> claim.
+
+    A member that has seen no step yet (it started fresh and found no records) cannot tell an honest lead from a
+    lie: `own_clock` ignores such claims all the same, but naming the partners as liars would blame an honest swarm.
+    """
+    if _claim(members[me]) == 0:
+        return {}
+    limit = claim_limit(members[me], now)
+    return {key: _claim(member) for key, member in members.items() if _claim(member) > limit}
+
+
 def claimed_step(member: Mapping[str, Any]) -> int:
     """The newest step a member says it knows of (its own or the swarm's)."""
     return _claim(member)

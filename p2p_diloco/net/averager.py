@@ -27,9 +27,8 @@ from hivemind.utils.streaming import combine_from_streaming
 from p2p_diloco.diloco.staleness import (
     WEIGHT_CAP,
     StalenessRule,
-    claim_limit,
-    claimed_step,
     group_weights,
+    implausible_claims,
     own_weight,
     weight_claims_over_cap,
 )
@@ -199,15 +198,12 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         if self.peer_id not in wellformed:
             return None
         bounds = group_weights(wellformed, self._staleness_rule)
-        limit = claim_limit(wellformed[self.peer_id], get_dht_time())
-        for peer, data in wellformed.items():
-            if claimed_step(data) > limit:
-                self.gate.warn_once(
-                    peer.to_base58(),
-                    f"claims the swarm is at step {claimed_step(data)}, which it "
-                    "cannot have reached: the claim is ignored",
-                    kind="clock claim",
-                )
+        for peer, claim in implausible_claims(self.peer_id, wellformed, get_dht_time()).items():
+            self.gate.warn_once(
+                peer.to_base58(),
+                f"claims the swarm is at step {claim}, which it cannot have reached: the claim is ignored",
+                kind="clock claim",
+            )
         for peer, (claimed, cap) in weight_claims_over_cap(wellformed).items():
             self.gate.warn_once(
                 peer.to_base58(),
