@@ -2,11 +2,14 @@
 
 The chaos benchmark restarts islands beside four busy ones on 2 cores, so its restart breakdown measures CPU
 contention as much as p2p-diloco. Here two islands train; island 1 is SIGKILLed (with its DHT and p2pd) after a
-merged round and started again at once, 3 times each way (--quick: 2), alternating two ways of starting:
+merged round and started again at once, 3 times each way (--quick: 2), alternating three ways of starting:
 
     shipped   modules hivemind imports but never runs (scipy.optimize) execute late, and the DHT node is
               launched before the model is built (`p2p_diloco.quick_start`)
     plain     `P2P_DILOCO_PLAIN_START=1`: everything imported up front, the DHT joined after the model is built
+    standby   a standby (`--standby true`, same flags and checkpoint folder) started before the kill, its
+              interpreter, imports, model and data ready: it takes the folder over when the island dies, so the
+              restart is counted from the kill
 
 Each restart's first metrics record names its start-up phases (process_start_s: interpreter, imports, model,
 data; join_s: DHT, reachability, announcement, averager; restore_s: checkpoint and the swarm's state, download
@@ -32,7 +35,8 @@ from lib.common import TINY, benchmark_parser, provenance, write_result
 
 from p2p_diloco.cli.launcher import LocalSwarm
 
-WAYS = {"shipped": (), "plain": ("env", "P2P_DILOCO_PLAIN_START=1")}
+WAYS = {"shipped": (), "plain": ("env", "P2P_DILOCO_PLAIN_START=1"), "standby": ()}
+IMPORT_WAYS = ("shipped", "plain")  # a standby imports before the kill: nothing of its imports is in its restart
 PHASES = ("process_start_s", "join_s", "restore_s", "first_round_s")
 MERGE_WAIT_S = 120.0  # a healthy restart merges within seconds; this bounds a broken one
 POLL_S = 0.2
@@ -63,13 +67,28 @@ def first_merge_after(swarm: LocalSwarm, name: str, after: float) -> tuple[dict,
     raise TimeoutError(f"{name} did not merge within {MERGE_WAIT_S:.0f}s of starting")
 
 
+def ready_for_takeover(standby) -> None:
+    """Wait until a standby has built its model and waits for the checkpoint folder (its log says so)."""
+    deadline = time.monotonic() + MERGE_WAIT_S
+    while "standby: waiting to take over" not in standby.log_text():
+        if not standby.running or time.monotonic() > deadline:
+            raise RuntimeError(f"the standby is not ready; log tail:\n{standby.log_text()[-2000:]}")
+        time.sleep(POLL_S)  # its log is the only signal a standby process gives
+
+
 def restart_once(swarm: LocalSwarm, way: str) -> dict:
     """Kill island 1, start it again `way`, and return where the time went until its first merged round."""
     island = swarm.peers["island-1"]
+    standby = swarm.standby("island-1") if way == "standby" else None
+    if standby is not None:
+        ready_for_takeover(standby)
     island.process.send_signal(signal.SIGKILL)
     island.process.wait()
     restarted_at = time.time()
-    swarm.restart("island-1", command_prefix=WAYS[way])
+    if standby is not None:
+        swarm.promote(standby)
+    else:
+        swarm.restart("island-1", command_prefix=WAYS[way])
     first, merged = first_merge_after(swarm, "island-1", restarted_at)
     total = merged["time"] - restarted_at
     startup = {phase: first.get(phase) or 0.0 for phase in PHASES[:3]}
@@ -107,11 +126,12 @@ def summarise(rows: list[dict], imports: dict[str, list[float]]) -> dict:
         for way in WAYS
     }
     for way in WAYS:
-        median[way]["import_s"] = statistics.median(imports[way])
+        median[way]["import_s"] = statistics.median(imports[way]) if way in IMPORT_WAYS else None
         median[way]["total_over_restore"] = median[way]["total_s"] / median[way]["restore_s"]
     keys = ("import_s", "process_start_s", "join_s", "total_s")
     ratio = {key: median["shipped"][key] / median["plain"][key] for key in keys}
-    return {"median_s": median, "shipped_over_plain": ratio}
+    standby = {key: median["standby"][key] / median["shipped"][key] for key in ("total_s", "total_over_restore")}
+    return {"median_s": median, "shipped_over_plain": ratio, "standby_over_shipped": standby}
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -137,13 +157,13 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Time the imports and the restarts both ways; write restart.json and restart.png."""
+    """Time the imports and the restarts each way; write restart.json and restart.png."""
     parser = benchmark_parser(__doc__, quick="2 restarts and 3 imports each way", smoke="tiny model, 1 of each")
     args = parser.parse_args(argv)
     restarts, import_runs = (1, 1) if args.smoke else (2, 3) if args.quick else (3, 5)
-    imports: dict[str, list[float]] = {way: [] for way in WAYS}
+    imports: dict[str, list[float]] = {way: [] for way in IMPORT_WAYS}
     for _ in range(import_runs):
-        for way in WAYS:
+        for way in IMPORT_WAYS:
             imports[way].append(import_seconds(way))
     print("import of the island, s: " + ", ".join(f"{way} {statistics.median(s):.2f}" for way, s in imports.items()))
     name = "restart-smoke" if args.smoke else "restart"
@@ -153,8 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     path = write_result(args.out, name, result)
     plot(summary, args.out / f"{name}.png")
     for way, figures in summary["median_s"].items():
-        print(f"{way}: " + ", ".join(f"{key} {value:.2f}" for key, value in figures.items()))
+        print(f"{way}: " + ", ".join(f"{key} {value:.2f}" for key, value in figures.items() if value is not None))
     print("shipped / plain: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["shipped_over_plain"].items()))
+    print("standby / shipped: " + ", ".join(f"{k} {v:.3f}" for k, v in summary["standby_over_shipped"].items()))
     print(f"wrote {path}")
     return 0
 

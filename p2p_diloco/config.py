@@ -286,6 +286,8 @@ class PeerConfig:
     """Logging level of p2p-diloco's own messages."""
     fresh: bool = False
     """Start over: ignore the checkpoints in --checkpoint-dir (needed when every one of them is corrupt)."""
+    standby: bool = False
+    """Wait, started and loaded, for the island using --checkpoint-dir to stop or die, then take over at once."""
     tensorboard: str | None = None
     """Also write every numeric metric as a TensorBoard scalar under this folder."""
     wandb: str | None = None
@@ -376,10 +378,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 def _dotted_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
     """'section.key' for every leaf of a parsed TOML table."""
-    keys = []
-    for key, value in values.items():
-        keys += _dotted_keys(value, f"{prefix}{key}.") if isinstance(value, dict) else [prefix + key]
-    return keys
+    nested = (_dotted_keys(v, f"{prefix}{k}.") if isinstance(v, dict) else [prefix + k] for k, v in values.items())
+    return [key for keys in nested for key in keys]
 
 
 SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}

@@ -48,4 +48,7 @@ def restart(data: dict) -> str:
     text += table(["way", *keys], [[way, *(fmt(median[way].get(key), 2) for key in keys)] for way in median])
     ratios = data["shipped_over_plain"]
     text += "\n\nshipped / plain: " + ", ".join(f"{key} {fmt(value, 3)}" for key, value in ratios.items())
+    if "standby_over_shipped" in data:
+        standby = data["standby_over_shipped"]
+        text += "; standby / shipped: " + ", ".join(f"{key} {fmt(value, 3)}" for key, value in standby.items())
     return text

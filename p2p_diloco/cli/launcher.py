@@ -211,6 +211,19 @@ class LocalSwarm:
         prefix = old.command_prefix if command_prefix is None else command_prefix
         return self._start(name, old.args, prefix, old.metrics, old.checkpoint_dir)
 
+    def standby(self, name: str) -> PeerProcess:
+        """Start a standby for peer `name`: its flags plus `--standby true`, its checkpoint folder and metrics file,
+        a log of its own (`NAME.standby.log`); it takes over when the peer stops or dies (`promote` it then)."""
+        old = self.peers[name]
+        log = self.folder / f"{name}.standby.log"
+        process = spawn([*old.args, "--standby", "true"], log_path=log, command_prefix=old.command_prefix)
+        self.children.append(process)
+        return PeerProcess(name, process, old.metrics, log, old.checkpoint_dir, old.args, old.command_prefix)
+
+    def promote(self, standby: PeerProcess) -> None:
+        """Make a standby that took over the peer of its name (`LocalSwarm.peers`)."""
+        self.peers[standby.name] = standby
+
     def _start(
         self,
         name: str,

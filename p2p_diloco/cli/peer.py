@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
 
 from p2p_diloco.cli.flags import add_config_flags, overrides
 from p2p_diloco.cli.logs import setup_logging
@@ -62,7 +66,8 @@ def run(args: argparse.Namespace) -> int:
 
     if wants_ranks(config.island) and not launched_as_rank():
         try:
-            return launch_island(config, args.argv)
+            with owned_checkpoint_folder(config, ranks=True):
+                return launch_island(config, args.argv)
         except UserError as error:
             print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
             return error.exit_code
@@ -77,13 +82,14 @@ def run(args: argparse.Namespace) -> int:
         from p2p_diloco.island.link import begin_join
         from p2p_diloco.quick_start import plain_start
 
-        # The DHT process starts p2pd and reaches the swarm while this one builds the model and loads data.
-        joining = None if config.network.solo or plain_start() else begin_join(config.network)
-        try:
-            Island(config, stop=stop, joining=joining).run()
-        finally:
-            if joining is not None:
-                joining.abandon()
+        with owned_checkpoint_folder(config) as (trainer, took_over):
+            # The DHT process starts p2pd and reaches the swarm while this one builds the model and loads data.
+            joining = None if config.network.solo or plain_start() else begin_join(config.network)
+            try:
+                Island(config, stop=stop, joining=joining, trainer=trainer, took_over=took_over).run()
+            finally:
+                if joining is not None:
+                    joining.abandon()
     except UserError as error:
         print(f"p2p-diloco peer: error: {error}", file=sys.stderr)
         return error.exit_code
@@ -92,3 +98,34 @@ def run(args: argparse.Namespace) -> int:
         return stopped.exit_code
     stop.report_checkpoint_kept()
     return stop.exit_code
+
+
+@contextmanager
+def owned_checkpoint_folder(config: PeerConfig, ranks: bool = False) -> Iterator[tuple[Any, float | None]]:
+    """Hold --checkpoint-dir while the island runs, or refuse; a standby builds its model and loads its data first,
+    then waits for the folder. Yields the standby's trainer (a ranked island's: None) and takeover time."""
+    from p2p_diloco.island.ownership import CheckpointFolderLock
+
+    if config.standby and not config.checkpoint_dir:
+        raise UserError("--standby true takes over an island's --checkpoint-dir: pass the folder that island uses")
+    if not config.checkpoint_dir or (ranks and config.island.nnodes > 1):  # several nodes may share one folder
+        yield None, None
+        return
+    lock = CheckpointFolderLock(config.checkpoint_dir)
+    try:
+        if not config.standby:
+            lock.acquire_or_refuse()
+            yield None, None
+            return
+        trainer = None
+        if not ranks:  # a ranked island's ranks build their models after the takeover: its launcher waits cold
+            import torch
+
+            from p2p_diloco.island.trainer import LocalTrainer
+
+            torch.set_num_threads(config.train.threads)
+            trainer = LocalTrainer(config)
+        lock.wait()
+        yield trainer, time.monotonic()
+    finally:
+        lock.release()

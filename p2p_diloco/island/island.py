@@ -57,8 +57,10 @@ class Island(SwarmViewMixin):
         stop: GracefulStop | None = None,
         trainer: LocalTrainer | None = None,
         joining: Joining | None = None,
+        took_over: float | None = None,
     ):
         self.config = config
+        self.took_over = took_over  # a standby's takeover (time.monotonic()): its start-up is counted from there
         self.connector, self.joining = connector, joining  # joining: a DHT node launched before the model is built
         self.stop = stop or GracefulStop()
         torch.set_num_threads(config.train.threads)
@@ -333,7 +335,7 @@ class Island(SwarmViewMixin):
             self.trainer.open_stream(self.peer_id)
             restoring = time.monotonic()
             origin = restore(self.config, self.state, self.trainer, self.link)
-            self.startup = startup_times(connecting, restoring, self.link.join_s)
+            self.startup = startup_times(connecting, restoring, self.link.join_s, self.took_over)
             start_digest = self.state.digest()
             logger.info(
                 f"island {self.peer_id} joined run {config.network.run_id!r} in {self.link.join_s:.1f}s; "

@@ -118,14 +118,17 @@ class Progress:
         )
 
 
-def startup_times(connecting: float, restoring: float, join_s: float) -> dict[str, float | None]:
+def startup_times(
+    connecting: float, restoring: float, join_s: float, took_over: float | None = None
+) -> dict[str, float | None]:
     """Where a (re)start's time went before its first round, for that round's record (monotonic clock inputs).
 
-    process_start_s: from the process's creation to joining (interpreter, imports, model, data); join_s: the DHT,
-    reachability, announcement and averager; restore_s: the checkpoint or the swarm's state (download included).
+    process_start_s: from the process's creation (a standby: its takeover, `took_over`) to joining (interpreter,
+    imports, model, data); join_s: the DHT, reachability, announcement and averager; restore_s: the checkpoint or
+    the swarm's state (download included).
     """
     restored = time.monotonic()
-    age = process_age_s()
+    age = process_age_s() if took_over is None else restored - took_over
     return {
         "process_start_s": max(0.0, age - (restored - connecting)),
         "join_s": join_s,
