@@ -1,14 +1,15 @@
 """Goodput under failures: islands are SIGKILLed (and restarted) and SIGSTOPped on a seeded schedule.
 
-The same schedule runs against p2p-diloco's default decoupled mode (quorum K=1, adaptive grace) and a
-synchronous mode where every island waits for the whole swarm, each also once without faults. Reports
+The same schedule runs against p2p-diloco's default decoupled mode (quorum K=1, adaptive grace), a synchronous
+mode where every island waits for the whole swarm, and the decoupled mode with a standby per island (`--standby
+true`: a killed island's standby takes over at once), each also once without faults. Reports
 goodput (useful training tokens per second summed over islands, relative to the same mode without faults),
 the final eval loss, the time from a restart to the restarted island's first merged round, and whether any
 island exited with an error it should have survived. Each island runs under a CPU quota of the machine's cores /
 islands (`--island-cpus`, `lib/cpu_quota.py`), as on a machine of its own: without one, a dead island's CPU sped the
 others up and a restarting island's imports slowed them down.
 
-    python benchmarks/chaos.py            # 5 islands, 90 s per run, 6 runs (about 11 minutes)
+    python benchmarks/chaos.py            # 5 islands, 90 s per run, 8 runs (about 15 minutes)
     python benchmarks/chaos.py --quick    # 3 islands, 30 s per run
     python benchmarks/chaos.py --smoke    # 3 islands, tiny model, short runs (used by the tests)
 """
@@ -30,7 +31,10 @@ from lib.cpu_quota import CpuQuotas
 
 from p2p_diloco.cli.launcher import LocalSwarm, PeerProcess
 
-MODES = {"decoupled": [], "synchronous": ["--quorum", "{n}", "--averaging-timeout", "60"]}
+MODES = {"decoupled": [], "synchronous": ["--quorum", "{n}", "--averaging-timeout", "60"], "standby": []}
+# standby: the decoupled mode with a standby per island (`--standby true`, under the island's CPU quota) that takes
+# over at a kill; the scheduled restart starts the next standby. Standbys train until the harness stops every island
+# at the budget's end (SIGTERM), and only rounds recorded by then count.
 # mode: islands, budget, kill_every, restart_after, stop_every, stop_for
 PRESETS = {
     "smoke": (3, 26.0, 9.0, 4.0, 14.0, 4.0),
@@ -103,6 +107,8 @@ class ChaosSwarm:
         self.swarm = LocalSwarm(folder, run_id=f"chaos-{mode}")
         self.quotas = quotas
         self.started = time.monotonic()
+        self.standbys: dict[int, PeerProcess] = {}
+        self.deadline_wall = time.time() + budget
 
     def island(self, index: int) -> PeerProcess:
         """The island's current process."""
@@ -114,17 +120,33 @@ class ChaosSwarm:
         args = ["--shard-index", str(index), "--num-shards", str(self.islands), "--outer-steps", "100000"]
         args += ["--time-budget-s", str(max(1.0, remaining)), "--inner-steps", str(self.inner_steps)]
         args += ["--target-group-size", str(self.islands), "--next-chunk-timeout", "3", "--batch-size", "8", *flags]
-        return self.swarm.peer(f"island-{index}", *args, config=self.config, command_prefix=self.quotas.prefix(index))
+        island = self.swarm.peer(f"island-{index}", *args, config=self.config, command_prefix=self.quotas.prefix(index))
+        if self.mode == "standby":
+            self.start_standby(index)
+        return island
+
+    def start_standby(self, index: int) -> None:
+        """A standby for island `index`: its flags, no budget of its own (the harness stops it at the end)."""
+        self.standbys[index] = self.swarm.standby(f"island-{index}", "--time-budget-s", "0")
+
+    def stop_at_deadline(self) -> None:
+        """Standby mode: at the budget's end, stop every island and standby still running (SIGTERM)."""
+        time.sleep(max(0.0, self.deadline_wall - time.time()))  # the harness's clock, as the fault schedule's
+        for peer in [*self.swarm.peers.values(), *self.standbys.values()]:
+            if peer.running:
+                peer.process.send_signal(signal.SIGTERM)
 
     def run(self, schedule: Schedule | None) -> Faults:
         """Start every island, inject the faults, wait for every island to finish its budget; stop everything."""
         try:
             self.swarm.bootstrap()
-            self.started = time.monotonic()
+            self.started, self.deadline_wall = time.monotonic(), time.time() + self.budget
             for index in range(self.islands):
                 self.start(index, self.budget)
             faults = self.inject(schedule.events if schedule else [])
-            for peer in self.swarm.peers.values():
+            if self.mode == "standby":
+                self.stop_at_deadline()
+            for peer in [*self.swarm.peers.values(), *self.standbys.values()]:
                 peer.wait(max(30.0, self.budget - (time.monotonic() - self.started) + 120))
         finally:
             self.swarm.close()  # wakes frozen islands first
@@ -144,6 +166,11 @@ class ChaosSwarm:
                 island.process.wait()
                 faults.kills += 1
                 faults.kill_times.append((index, time.time()))
+                if index in self.standbys:  # it takes over now: the restart is the kill
+                    self.swarm.promote(self.standbys.pop(index))
+                    faults.restarts.append((index, time.time()))
+            elif action == "restart" and self.mode == "standby":
+                self.start_standby(index)
             elif action == "restart":
                 self.start(index, self.budget - (time.monotonic() - self.started))
                 faults.restarts.append((index, time.time()))
@@ -152,15 +179,16 @@ class ChaosSwarm:
         return faults
 
 
-def useful_tokens(records: dict[int, list[dict]]) -> int:
-    """Training tokens of every round that was not merged as stale, summed over islands."""
+def useful_tokens(records: dict[int, list[dict]], until: float = float("inf")) -> int:
+    """Training tokens of every round that was not merged as stale, recorded by wall time `until`, summed over
+    islands."""
     useful = 0
     for recs in records.values():
         previous = 0
         for record in recs:
             gained = record["tokens"] - previous
             previous = record["tokens"]
-            if not (record.get("note") or "").count("stale"):
+            if record["time"] <= until and not (record.get("note") or "").count("stale"):
                 useful += max(0, gained)
     return useful
 
@@ -202,11 +230,14 @@ def restart_breakdown(records: dict[int, list[dict]], faults: Faults) -> list[di
     return phases
 
 
-def schedule_downtime(schedule: Schedule | None) -> float:
-    """Island-seconds the schedule itself takes away: killed until restarted, frozen until woken."""
+def schedule_downtime(schedule: Schedule | None, kills: bool = True) -> float:
+    """Island-seconds the schedule itself takes away: killed until restarted (unless a standby takes over at once:
+    not `kills`), frozen until woken."""
     pending: dict[tuple[str, int], float] = {}
     down = 0.0
     for at, action, index in schedule.events if schedule else []:
+        if action in ("kill", "restart") and not kills:
+            continue
         if action in ("kill", "stop"):
             pending[(action, index)] = at
         else:
@@ -216,10 +247,11 @@ def schedule_downtime(schedule: Schedule | None) -> float:
 
 def unexpected_errors(chaos: ChaosSwarm, folder: Path) -> list[str]:
     """Islands whose last process exited with an error, and every island that gave up with an error."""
+    expected = (0, 143) if chaos.mode == "standby" else (0,)  # standby mode stops its islands with SIGTERM
     errors = [
         f"island-{index} exited {chaos.island(index).process.returncode}"
         for index in range(chaos.islands)
-        if chaos.island(index).process.returncode not in (0,)
+        if chaos.island(index).process.returncode not in expected
     ]
     # hivemind logs every failed round with a traceback; what counts is an island giving up with an error.
     fatal = sorted(
@@ -239,7 +271,7 @@ def run(mode: str, schedule: Schedule | None, *, budget: float, folder: Path, **
     faults = chaos.run(schedule)
     wall = time.monotonic() - chaos.started
     records = {index: chaos.island(index).records() for index in range(islands)}
-    useful = useful_tokens(records)
+    useful = useful_tokens(records, until=chaos.deadline_wall if mode == "standby" else float("inf"))
     recovery, killed_before_merging = recovery_times(records, faults)
     final = [recs[-1]["eval_loss"] for recs in records.values() if recs]
     return {
@@ -251,7 +283,7 @@ def run(mode: str, schedule: Schedule | None, *, budget: float, folder: Path, **
         "restart_to_first_merge_s": recovery,
         "restarts_killed_before_merging": killed_before_merging,
         "restart_breakdown": restart_breakdown(records, faults),
-        "schedule_downtime_island_s": schedule_downtime(schedule),
+        "schedule_downtime_island_s": schedule_downtime(schedule, kills=mode != "standby"),
         "errors": unexpected_errors(chaos, folder),
         "kills": faults.kills,
         "wall_s": wall,
@@ -283,10 +315,10 @@ def plot(result: dict, path: Path) -> None:
 def run_all(
     schedule: Schedule, islands: int, budget: float, *, smoke: bool, out: Path, quotas: CpuQuotas, pairs: int = 1
 ) -> list[dict]:
-    """Both modes, each without and with the fault schedule; the decoupled mode's pair `pairs` times (a clean run's
+    """Every mode, each without and with the fault schedule; the decoupled mode's pair `pairs` times (a clean run's
     tokens alone moved 7% between two runs on this shared machine, the goodput with it)."""
     runs = []
-    for mode in ("decoupled", "synchronous"):
+    for mode in MODES:
         for pair, faults in itertools.product(range(pairs if mode == "decoupled" else 1), (False, True)):
             label = f"{mode}-{'faults' if faults else 'clean'}" + (f"-{pair}" if pair else "")
             print(f"== {label}: {islands} islands, {budget:.0f}s", flush=True)

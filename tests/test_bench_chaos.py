@@ -45,6 +45,7 @@ def test_an_island_runs_under_its_cpu_quota_and_the_group_goes_with_the_run() ->
 def test_downtime_counts_killed_and_frozen_island_seconds() -> None:
     schedule = Schedule([(10.0, "kill", 0), (12.0, "stop", 1), (14.0, "restart", 0), (15.0, "cont", 1)])
     assert schedule_downtime(schedule) == 4.0 + 3.0
+    assert schedule_downtime(schedule, kills=False) == 3.0  # a standby takes over at the kill
     assert schedule_downtime(None) == 0.0
 
 
@@ -57,9 +58,12 @@ def test_chaos_smoke(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads((tmp_path / "chaos-smoke.json").read_text())
-    assert set(data["goodput"]) == {"decoupled", "synchronous"}
+    assert set(data["goodput"]) == {"decoupled", "synchronous", "standby"}
     assert all(value > 0 for value in data["goodput"].values())
-    assert data["unexpected_errors"]["decoupled"] == [], data["unexpected_errors"]
+    assert data["unexpected_errors"]["decoupled"] == data["unexpected_errors"]["standby"] == [], data
+    # Each killed island's standby took over and merged, counted from the kill.
+    standby = next(run for run in data["runs"] if run["mode"] == "standby" and run["faults"])
+    assert standby["kills"] > 0 and len(standby["restart_breakdown"]) == standby["kills"], standby
     assert any(run["kills"] > 0 for run in data["runs"])
     shares = data["goodput_breakdown"]["decoupled"]
     assert shares["goodput"] == data["goodput"]["decoupled"] and 0 < shares["schedule_downtime"] < 1

@@ -211,12 +211,14 @@ class LocalSwarm:
         prefix = old.command_prefix if command_prefix is None else command_prefix
         return self._start(name, old.args, prefix, old.metrics, old.checkpoint_dir)
 
-    def standby(self, name: str) -> PeerProcess:
-        """Start a standby for peer `name`: its flags plus `--standby true`, its checkpoint folder and metrics file,
-        a log of its own (`NAME.standby.log`); it takes over when the peer stops or dies (`promote` it then)."""
+    def standby(self, name: str, *extra: str) -> PeerProcess:
+        """Start a standby for peer `name`: its flags (then `extra`) plus `--standby true`, its checkpoint folder and
+        metrics file, a log of its own (`NAME.standby-N.log`); it takes over when the peer stops or dies (`promote`
+        it then)."""
         old = self.peers[name]
-        log = self.folder / f"{name}.standby.log"
-        process = spawn([*old.args, "--standby", "true"], log_path=log, command_prefix=old.command_prefix)
+        log = self.folder / f"{name}.standby-{len(self.children)}.log"
+        command = [*old.args, *extra, "--standby", "true"]
+        process = spawn(command, log_path=log, command_prefix=old.command_prefix)
         self.children.append(process)
         return PeerProcess(name, process, old.metrics, log, old.checkpoint_dir, old.args, old.command_prefix)
 

@@ -108,7 +108,7 @@ def owned_checkpoint_folder(config: PeerConfig, ranks: bool = False) -> Iterator
 
     if config.standby and not config.checkpoint_dir:
         raise UserError("--standby true takes over an island's --checkpoint-dir: pass the folder that island uses")
-    if not config.checkpoint_dir or (ranks and config.island.nnodes > 1):  # several nodes may share one folder
+    if not config.checkpoint_dir or (ranks and config.island.nnodes != "1"):  # several nodes may share one folder
         yield None, None
         return
     lock = CheckpointFolderLock(config.checkpoint_dir)
