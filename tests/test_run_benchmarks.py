@@ -92,7 +92,11 @@ def test_the_targets_table_judges_each_figure_from_its_result_file() -> None:
             },
         ]
     }
-    chaos = {"goodput": {"decoupled": 0.92}, "restart_breakdown_mean_s": {"decoupled": {"restore_s": 1, "total_s": 3}}}
+    chaos = {"goodput": {"decoupled": 0.92, "standby": 0.89}}
+    chaos["restart_breakdown_mean_s"] = {
+        "decoupled": {"restore_s": 1, "total_s": 3},
+        "standby": {"restore_s": 1, "total_s": 2},
+    }
     rows = {row[0]: row[1:] for row in target_rows({"exchange": exchange, "chaos": chaos})}
     assert rows["exchange fp32: speed-up over stock hivemind (10M/50M x 2/4 peers)"] == ["3.00", ">= 2x", "yes", ""]
     assert rows["exchange fp32: gloo fp32's time / ours"] == ["0.50", ">= 0.25", "yes", ""]
@@ -101,4 +105,6 @@ def test_the_targets_table_judges_each_figure_from_its_result_file() -> None:
     assert rows["goodput under chaos, decoupled"] == ["0.92", ">= 0.90", "yes", ""]
     restart = rows["restart to first merge / state transfer (chaos)"]
     assert restart[:3] == ["3.0x", "<= 2x", "no"] and "state transfer" in restart[3]  # a target missed says why
+    assert "a standby (`--standby true`) takes over in 2.0 s (2.0x" in restart[3]
+    assert rows["goodput under chaos, decoupled with standbys"][:3] == ["0.89", ">= 0.90", "no"]
     assert target_rows({}) == []  # no result files, no rows
