@@ -30,14 +30,13 @@ class FolderInUseError(UserError):
 
 
 class CheckpointFolderLock:
-    """The exclusive claim of one island on its checkpoint folder, held until the process ends."""
+    """The exclusive claim of one island on its checkpoint folder, held until released or the process ends."""
 
     def __init__(self, directory: str | os.PathLike) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.path = self.directory / LOCK_NAME
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.held = False
         # A forked child (the DHT and averager processes) would share the lock and keep it after this island died,
         # until the last child exits: children drop their copy (closing it, never unlocking: that would free the
         # parent's lock too). Exec'd programs (p2pd, torch ranks) never get it: os.open's descriptors close on exec.
@@ -83,7 +82,7 @@ class CheckpointFolderLock:
         """Give the folder up (the process's end does the same)."""
         if self._fd >= 0:
             os.close(self._fd)  # closing the last descriptor of the open file frees its flock
-            self._fd, self.held = -1, False
+            self._fd = -1
 
     def owner(self) -> str:
         """Who holds the folder, as its lock file says (for messages)."""
@@ -99,6 +98,5 @@ class CheckpointFolderLock:
             self._fd = -1
 
     def _mark_owner(self) -> None:
-        self.held = True
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
