@@ -32,6 +32,21 @@ def test_islands_missing_from_recent_rounds_and_silent_since_are_not_expected() 
     assert expected.expected(view, "me") == 4
 
 
+def test_an_island_that_announced_it_is_leaving_is_not_expected_until_it_comes_back() -> None:
+    expected = ExpectedPartners(memory_rounds=3)
+    view = {"a": {"time": 1.0}, "b": {"time": 1.0}}
+    for ended_at in (10.0, 20.0, 30.0):
+        expected.observe(["a", "b"], ended_at=ended_at)
+    assert expected.expected(view, "me") == 3
+    view["b"] = {"time": 31.0, "leaving": True}  # its last round ended and it said so
+    assert expected.expected(view, "me") == 2
+    view["b"] = {"time": 31.0, "leaving": "yes"}  # only a real flag counts
+    assert expected.expected(view, "me") == 3
+    view["b"] = {"time": 31.0, "leaving": True}
+    expected.observe(["a", "b"], ended_at=40.0)  # back in a group since (restarted under its identity): expected
+    assert expected.expected(view, "me") == 3
+
+
 def test_the_target_keeps_a_pair_and_the_quorum_and_stays_under_the_cap() -> None:
     assert group_target(None, quorum=1, cap=8) == 8
     assert group_target(1, quorum=1, cap=8) == 2  # a target of one would turn every joiner away
@@ -58,3 +73,21 @@ def test_survivors_of_a_killed_island_stop_waiting_out_the_window_for_it(local_s
         assert all(r["partners"] == 1 for r in last), [(r["outer_step"], r["partners"]) for r in last]
         waits = [round(r["wait_s"], 2) for r in last]
         assert max(waits) < window / 2, f"{peer.name} still waited out the {window} s window: {waits}"
+
+
+def test_survivors_of_a_finished_island_wait_for_it_in_one_round_at_most(local_swarm: LocalSwarm) -> None:
+    window = 6.0
+    local_swarm.bootstrap()
+    args = ["--num-shards", "3", "--target-group-size", "3", "--grace", "fixed", "--grace-s", str(window)]
+    steps = ["6", "12", "12"]  # island-0 finishes first and announces that it is leaving
+    peers = [
+        local_swarm.peer(f"island-{i}", "--shard-index", str(i), "--outer-steps", steps[i], *args) for i in range(3)
+    ]
+    for peer in peers:
+        assert peer.wait(300) == 0, peer.log_text()[-3000:]
+    for peer in peers[1:]:
+        after = [r for r in peer.records() if r["outer_step"] > 6]
+        waited = [(r["outer_step"], round(r["wait_s"], 2)) for r in after if r["wait_s"] >= window / 2]
+        # The first round may find it gone before its record says so; from the next one on it is not waited for.
+        assert len(waited) <= 1, f"{peer.name} waited out the {window} s window for the finished island: {waited}"
+        assert all(r["partners"] == 1 for r in after), [(r["outer_step"], r["partners"]) for r in after]

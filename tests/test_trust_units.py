@@ -96,6 +96,8 @@ def test_records_that_break_the_schema_are_named() -> None:
     assert "outer_step" in problem({**good, "outer_step": 10**12})
     assert "loss" in problem({**good, "loss": float("nan")})
     assert "maddrs" in problem({**good, "maddrs": ["x"] * 100})
+    assert problem({**good, "leaving": True}) is None
+    assert "leaving" in problem({**good, "leaving": "soon"})
     assert "not a record" in problem(["a list"])
 
 

@@ -8,7 +8,9 @@ that announced itself after it last merged with it (a newcomer, a restarted or w
 only every few rounds, so the announce is compared with the last merge, not with a window of rounds that could
 pass before the record is read) for as many rounds from when this island read that announce; an island missing from
 that many rounds and silent since is no longer waited for. (Counted from the merge alone, an island killed just after
-its announce was waited for in every round until its record expired: tests/test_expected_group.py.)
+its announce was waited for in every round until its record expired: tests/test_expected_group.py.) An island that
+finishes or stops announces itself `leaving`, and is not waited for from the round its record is read: without it,
+its last announce was read as a newcomer's and its partners waited the whole window for it for 6 rounds.
 Records carry the announcer's wall clock: a clock that runs ahead only makes us wait the window, as without this.
 """
 
@@ -46,6 +48,9 @@ class ExpectedPartners:
                 continue
             seen_round, seen_at = self.last_seen.get(peer, (None, -math.inf))
             announced = record.get("time") if isinstance(record, Mapping) else None
+            leaving = isinstance(record, Mapping) and record.get("leaving") is True
+            if leaving and _number(announced) and announced >= seen_at:
+                continue  # it announced its last round and has not been in a group since (a restart would have)
             recent = seen_round is not None and self.rounds - seen_round < self.memory_rounds
             announced_since = _number(announced) and announced > seen_at
             count += recent or (announced_since and self.rounds - self._read_at(peer, announced) < self.memory_rounds)

@@ -69,17 +69,19 @@ def fold_partner_steps(view: dict[str, dict[str, Any]], partners: Mapping[str, M
 class SwarmViewMixin:
     """Island's side of the run's records: its announcement, the (scheduled) announce, and the swarm clock."""
 
-    def _announcement(self) -> dict[str, Any]:
+    def _announcement(self, leaving: bool = False) -> dict[str, Any]:
         """This island's record in the run (bounded: a few hundred bytes plus a short history)."""
         identity = {"fingerprint": self.fingerprint, "codec": self.config.network.codec}
-        return self.progress.announcement(identity, self.outer_step, self.trainer, self.link.reachability)
+        record = self.progress.announcement(identity, self.outer_step, self.trainer, self.link.reachability)
+        return {**record, "leaving": leaving}
 
-    def _announce(self, *, scheduled: bool = False) -> dict[str, dict[str, Any]]:
-        """Tell the run where we are (a `scheduled` one only when due); returns and keeps the others' records."""
+    def _announce(self, *, scheduled: bool = False, leaving: bool = False) -> dict[str, dict[str, Any]]:
+        """Tell the run where we are (a `scheduled` one only when due, `leaving` as the island's last); returns and
+        keeps the others' records."""
         if not self.announces.start(scheduled):
             return self.swarm_view
         try:
-            self.swarm_view = self.link.records.announce(self._announcement(), check=False)
+            self.swarm_view = self.link.records.announce(self._announcement(leaving), check=False)
             self.link.refresh(self.swarm_view)
         except Exception as error:  # a slow or restarting DHT must not stop training: use the last view
             logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")

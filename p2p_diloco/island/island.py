@@ -206,6 +206,7 @@ class Island(SwarmViewMixin):
         if not self.link.online:
             return Verdict(ExchangeResult(merged=None), contribution.compensated, merged=False, note="solo")
         grace = self.grace.current()
+        expected = self.expected.expected(self.swarm_view, self.peer_id)
         timeout = network.averaging_timeout if network.quorum > 1 else grace + SEARCH_MARGIN_S
         if self.deadline is not None:  # never wait for a quorum past the time budget
             timeout = max(grace + SEARCH_MARGIN_S, min(timeout, self.deadline - time.monotonic()))
@@ -216,13 +217,13 @@ class Island(SwarmViewMixin):
             grace_s=grace,
             timeout=timeout,
             schema_tag=contribution.fragment.label,
-            group_target=group_target(
-                self.expected.expected(self.swarm_view, self.peer_id), network.quorum, network.target_group_size
-            ),
+            group_target=group_target(expected, network.quorum, network.target_group_size),
         )
         self.expected.observe(result.partners, time.time())
         fold_partner_steps(self.swarm_view, result.partners)
-        if not result.partners:
+        if not result.partners or (expected is not None and len(result.partners) + 1 < expected):
+            # Short of the expected group, the round waited out its window: read whether the missing island left
+            # (one announce costs far less than another window) or who came instead.
             self.announces.hurry()
         alive = any(peer != self.peer_id for peer in self.swarm_view)
         delays = [data.get("ready", ready) - ready for data in result.partners.values()]
@@ -361,7 +362,8 @@ class Island(SwarmViewMixin):
                     self._log_round(metrics, record, start_digest if rounds == 0 else None, start_step)
                     rounds += 1
             if self.link.online:
-                self._announce()  # the final state, for `status` and newcomers
+                # The final state, for `status` and newcomers; `leaving` tells the others not to wait for this island.
+                self._announce(leaving=True)
             if self.stopping:
                 self.pending = None  # an exchange in flight is discarded; the last checkpoint stays consistent
                 save(config, self.state, self.trainer, now=True)

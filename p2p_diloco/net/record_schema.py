@@ -52,6 +52,8 @@ def problem(record: Any) -> str | None:
         value = record.get(key)
         if value is not None and not _is_number(value, low, high):
             return f"{key} is {value!r}"
+    if not isinstance(record.get("leaving", False), bool):
+        return f"leaving is {record.get('leaving')!r}"
     maddrs = record.get("maddrs", [])
     if (
         not isinstance(maddrs, list)
