@@ -41,8 +41,8 @@ class ModelConfig:
     init_from: str | None = None
     """kind 'hf': local weights to start from, a .safetensors file or a model folder (never downloaded)."""
     factory: str | None = None
-    """kind 'module': 'package.module:function' returning an nn.Module whose forward(input_ids, labels) returns a
-    loss, an object with .loss, or (logits, loss); labels[i, t] is the token that follows input_ids[i, t]."""
+    """kind 'module': 'package.module:function' returning an nn.Module whose forward(input_ids, labels) returns a loss,
+    an object with .loss, or (logits, loss); labels[i, t] is the token after input_ids[i, t]."""
     vocab_size: int = 256
     """Byte-level tokens: always 256 unless you bring your own tokenizer."""
     seq_len: int = 64
@@ -122,8 +122,7 @@ class TrainConfig:
     fragments: int = 1
     """P (Streaming DiLoCo): outer step s syncs only fragment s mod P, after H/P inner steps (1: whole model)."""
     fragment_layout: str = "strided"
-    """How the model is cut into fragments: 'strided' layer groups (block i in fragment i mod P) or 'balanced'
-    (greedy bin-packing of tensors: the largest fragment, the peak bytes of an outer step, within 4/3 of optimal)."""
+    """'strided' layer groups (block i in fragment i mod P) or 'balanced' (greedy bin-packing: peak within 4/3)."""
     overlap_steps: int = 0
     """τ: inner steps a fragment's exchange runs in the background before its update lands (0: blocking)."""
     mix_alpha: float = 0.5
@@ -140,6 +139,8 @@ class TrainConfig:
     """Micro-batches of batch_size sequences per inner step (gradients accumulated)."""
     activation_checkpointing: bool = False
     """Recompute activations in the backward pass: less memory, about a third more compute."""
+    eval_every: int = 1
+    """Evaluate every this many outer steps and at the last (eval_loss is None in the rounds between)."""
 
 
 @dataclass
@@ -157,8 +158,7 @@ class NetworkConfig:
     identity: str | None = None
     """Key file for a stable peer ID, created if missing."""
     relay: str = "auto"
-    """'auto': use a relay when nothing can dial this island, and serve as one when reachable; 'off': never;
-    'only': always use a relay (and announce only the relayed address)."""
+    """'auto': use a relay when nothing can dial this island, serve as one when reachable; 'off'; 'only' (always)."""
     client_mode: str = "auto"
     """'auto': client mode (outbound only; never lead, reduce, serve state) if unreachable, no relay; 'on'; 'off'."""
     relay_port: int = 0

@@ -66,6 +66,8 @@ def _validate_workload(config: PeerConfig) -> None:
             raise ConfigError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
     if train.grad_accum < 1:
         raise ConfigError(f"train.grad_accum={train.grad_accum} must be >= 1")
+    if train.eval_every < 1:
+        raise ConfigError(f"train.eval_every={train.eval_every} must be >= 1 (1: evaluate every outer step)")
     if not data.text_field:
         raise ConfigError("data.text_field must name the field that holds the text")
     _validate_island(config)

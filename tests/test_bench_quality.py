@@ -55,10 +55,15 @@ def test_quality_smoke(tmp_path: Path) -> None:
     assert data["seeds"] == [0]
     assert data["final_eval_loss_by_seed"]["p2p_diloco"] == [data["final_eval_loss"]["p2p_diloco"]]
     assert set(data["curves"]) == SYSTEMS
-    steps = data["settings"]["outer_steps"]
+    steps, every = data["settings"]["outer_steps"], data["settings"]["eval_every"]
+    evaluated = [step for step in range(1, steps + 1) if step % every == 0 or step == steps]
+    assert every > 1 and len(evaluated) < steps  # the smoke run skips an evaluation, as the full run does
     for curve in data["curves"].values():
-        assert len(curve["tokens"]) == len(curve["eval_loss"]) == steps + 1  # the initial point and one per step
+        # the initial point and one per evaluated outer step: every system evaluates at the same steps
+        assert len(curve["tokens"]) == len(curve["eval_loss"]) == len(evaluated) + 1
         assert all(math.isfinite(loss) for loss in curve["eval_loss"])
+    four_workers = [data["curves"][name]["tokens"] for name in ("data_parallel", "p2p_diloco", "isolated")]
+    assert four_workers[0] == four_workers[1] == four_workers[2]
     # Same total tokens for the three 4-worker systems; the single island sees a quarter of them
     totals = {name: curve["tokens"][-1] for name, curve in data["curves"].items()}
     assert totals["data_parallel"] == totals["p2p_diloco"] == totals["isolated"] == 4 * totals["single"]

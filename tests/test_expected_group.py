@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+import time
 
 from conftest import LocalSwarm, wait_until
 
@@ -47,6 +48,17 @@ def test_an_island_that_announced_it_is_leaving_is_not_expected_until_it_comes_b
     assert expected.expected(view, "me") == 3
 
 
+def test_a_recent_partner_no_longer_connected_is_not_expected() -> None:
+    expected = ExpectedPartners(memory_rounds=3)
+    view = {"a": {"time": 1.0}, "b": {"time": 1.0}, "c": {"time": 50.0}}
+    for ended_at in (10.0, 20.0, 30.0):
+        expected.observe(["a", "b"], ended_at=ended_at)
+    assert expected.expected(view, "me") == 4  # c: a newcomer that announced after our last merge
+    assert expected.expected(view, "me", connected={"a", "b"}) == 4
+    assert expected.expected(view, "me", connected={"a"}) == 3  # b's process died: its connection closed
+    assert expected.expected(view, "me", connected=set()) == 2  # the newcomer need not be connected yet
+
+
 def test_the_target_keeps_a_pair_and_the_quorum_and_stays_under_the_cap() -> None:
     assert group_target(None, quorum=1, cap=8) == 8
     assert group_target(1, quorum=1, cap=8) == 2  # a target of one would turn every joiner away
@@ -61,18 +73,23 @@ def test_survivors_of_a_killed_island_stop_waiting_out_the_window_for_it(local_s
     window = 6.0
     local_swarm.bootstrap()
     args = ["--outer-steps", "11", "--num-shards", "3", "--target-group-size", "3", "--grace", "fixed"]
-    args += ["--grace-s", str(window), "--expect-rounds", "2"]
+    args += ["--grace-s", str(window), "--expect-rounds", "3"]
     peers = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), *args) for i in range(3)]
     victim = peers[2]
-    wait_until(lambda: len(victim.records()) >= 2, 180, "two outer steps of the victim")
+    wait_until(lambda: len(victim.records()) >= 4, 180, "four outer steps of the victim")
     victim.process.send_signal(signal.SIGKILL)
+    victim.process.wait()
+    killed_at = time.time()
     for peer in peers[:2]:
         assert peer.wait(300) == 0, peer.log_text()[-3000:]
     for peer in peers[:2]:
         last = peer.records()[-3:]
         assert all(r["partners"] == 1 for r in last), [(r["outer_step"], r["partners"]) for r in last]
-        waits = [round(r["wait_s"], 2) for r in last]
-        assert max(waits) < window / 2, f"{peer.name} still waited out the {window} s window: {waits}"
+        # The round under way at the kill may have grouped with the victim; from the next one on, its closed
+        # connection tells the survivors it is gone (its recent merges alone kept it expected for 3 rounds).
+        after = [r for r in peer.records() if r["time"] > killed_at][1:]
+        waits = [round(r["wait_s"], 2) for r in after]
+        assert after and max(waits) < window / 2, f"{peer.name} still waited out the {window} s window: {waits}"
 
 
 def test_survivors_of_a_finished_island_wait_for_it_in_one_round_at_most(local_swarm: LocalSwarm) -> None:

@@ -23,6 +23,8 @@ def peer_config_args(settings: dict) -> list[str]:
         str(settings["inner_steps"]),
         "--eval-batches",
         str(settings["eval_batches"]),
+        "--eval-every",
+        str(settings["eval_every"]),
         "--seed",
         str(settings["seed"]),
         "--lr",
@@ -50,6 +52,7 @@ def load_island_config(settings: dict, shard_index: int):
         "train.outer_steps": settings["outer_steps"],
         "train.inner_steps": settings["inner_steps"],
         "data.eval_batches": settings["eval_batches"],
+        "train.eval_every": settings["eval_every"],
         "train.seed": settings["seed"],
         "train.lr": settings["island_lr"],
         "train.outer_lr": settings["outer_lr"],
@@ -109,9 +112,10 @@ class Progress:
             else:
                 records = read_jsonl(path)
             for record in records[self.seen[name] :]:
+                evaluated = "-" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
                 print(
                     f"  [{name}] outer step {record['outer_step']}/{self.outer_steps}  "
-                    f"loss {record['loss']:.4f}  eval {record['eval_loss']:.4f}"
+                    f"loss {record['loss']:.4f}  eval {evaluated}"
                     + (f"  partners {record['partners']}" if "partners" in record else ""),
                     flush=True,
                 )

@@ -75,8 +75,8 @@ def train_rank(rank: int, world: int, config: Any, metrics: IO[str]) -> Any:
             grad_clip=train.grad_clip,
             after_backward=hook,
         ).losses
-        if rank != 0:
-            continue
+        if rank != 0 or (outer_step % train.eval_every and outer_step < train.outer_steps):
+            continue  # rank 0 evaluates when the islands do: every eval_every outer steps and at the last
         step = outer_step * train.inner_steps
         eval_loss = evaluate(model, shards.eval, config.model.seq_len, train.batch_size, config.data.eval_batches)
         record = {

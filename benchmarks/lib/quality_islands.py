@@ -29,6 +29,8 @@ def island_curve(records_by_island: list[list[dict]], evaluated: list[int] | Non
     for index in range(steps):
         rows = [records[index] for records in records_by_island]
         losses = [rows[island]["eval_loss"] for island in evaluated]
+        if None in losses:
+            continue  # a round between evaluations (--eval-every)
         curve["tokens"].append(sum(row["tokens"] for row in rows))
         curve["eval_loss"].append(sum(losses) / len(losses))
         curve["inner_steps"].append(rows[0]["inner_steps_total"])
@@ -143,7 +145,7 @@ def _isolated(records: dict[str, list[dict]], wall: float) -> dict:
 
 
 def _single(records: dict[str, list[dict]], wall: float) -> dict:
-    single_records = records["isolated-0"]
+    single_records = [r for r in records["isolated-0"] if r["eval_loss"] is not None]
     return {
         "curve": {
             "tokens": [r["tokens"] for r in single_records],

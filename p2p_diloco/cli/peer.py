@@ -119,12 +119,15 @@ def owned_checkpoint_folder(config: PeerConfig, ranks: bool = False) -> Iterator
             return
         trainer = None
         if not ranks:  # a ranked island's ranks build their models after the takeover: its launcher waits cold
-            import torch
+            from p2p_diloco.island.idle_priority import idle_priority
 
-            from p2p_diloco.island.trainer import LocalTrainer
+            with idle_priority("standby warming up (imports, model, data)"):
+                import torch
 
-            torch.set_num_threads(config.train.threads)
-            trainer = LocalTrainer(config)
+                from p2p_diloco.island.trainer import LocalTrainer
+
+                torch.set_num_threads(config.train.threads)
+                trainer = LocalTrainer(config)
         lock.wait()
         yield trainer, time.monotonic()
     finally:

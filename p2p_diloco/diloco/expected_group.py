@@ -8,7 +8,9 @@ that announced itself after it last merged with it (a newcomer, a restarted or w
 only every few rounds, so the announce is compared with the last merge, not with a window of rounds that could
 pass before the record is read) for as many rounds from when this island read that announce; an island missing from
 that many rounds and silent since is no longer waited for. (Counted from the merge alone, an island killed just after
-its announce was waited for in every round until its record expired: tests/test_expected_group.py.) An island that
+its announce was waited for in every round until its record expired: tests/test_expected_group.py.) A recent partner
+that is no longer connected is not waited for either: a killed island's connections close with its p2pd (measured
+in benchmarks/chaos.py, its partners waited out the window for it for 3 rounds after each kill). An island that
 finishes or stops announces itself `leaving`, and is not waited for from the round its record is read: without it,
 its last announce was read as a newcomer's and its partners waited the whole window for it for 6 rounds.
 Records carry the announcer's wall clock: a clock that runs ahead only makes us wait the window, as without this.
@@ -38,8 +40,13 @@ class ExpectedPartners:
         for peer in partners:
             self.last_seen[peer] = (self.rounds, ended_at)
 
-    def expected(self, view: Mapping[str, Mapping[str, Any]], own_peer: str) -> int | None:
-        """The group size to start at once (this island included), or None to wait out the window as before."""
+    def expected(
+        self, view: Mapping[str, Mapping[str, Any]], own_peer: str, connected: set[str] | None = None
+    ) -> int | None:
+        """The group size to start at once (this island included), or None to wait out the window as before.
+
+        `connected`: the peers this island holds a connection to (None: unknown). A recent partner no longer
+        connected is not waited for: a process that died took its connections with it."""
         if self.memory_rounds <= 0 or self.rounds < self.memory_rounds:
             return None  # too few rounds to tell who stopped coming
         count = 1
@@ -52,6 +59,7 @@ class ExpectedPartners:
             if leaving and _number(announced) and announced >= seen_at:
                 continue  # it announced its last round and has not been in a group since (a restart would have)
             recent = seen_round is not None and self.rounds - seen_round < self.memory_rounds
+            recent = recent and (connected is None or peer in connected)
             announced_since = _number(announced) and announced > seen_at
             count += recent or (announced_since and self.rounds - self._read_at(peer, announced) < self.memory_rounds)
         return count

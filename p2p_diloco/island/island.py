@@ -1,8 +1,7 @@
 """One island's loop: H inner steps, a gossip exchange of the pseudo-gradient, an outer step, a record.
 
-The island composes its collaborators and reads top to bottom, one round at a time (`Island._round`): inner
-steps, land an overlapped exchange, where the swarm is, this island's contribution, exchange or catch up,
-evaluate and record.
+The island composes its collaborators and reads top to bottom, one round at a time (`Island._round`): inner steps,
+land an overlapped exchange, where the swarm is, its contribution, exchange or catch up, evaluate and record.
 """
 
 from __future__ import annotations
@@ -206,7 +205,7 @@ class Island(SwarmViewMixin):
         if not self.link.online:
             return Verdict(ExchangeResult(merged=None), contribution.compensated, merged=False, note="solo")
         grace = self.grace.current()
-        expected = self.expected.expected(self.swarm_view, self.peer_id)
+        expected = self.expected.expected(self.swarm_view, self.peer_id, self.link.connected())
         timeout = network.averaging_timeout if network.quorum > 1 else grace + SEARCH_MARGIN_S
         if self.deadline is not None:  # never wait for a quorum past the time budget
             timeout = max(grace + SEARCH_MARGIN_S, min(timeout, self.deadline - time.monotonic()))
@@ -298,9 +297,10 @@ class Island(SwarmViewMixin):
     def _record(
         self, landed: Landed | None, losses: list[float], steps: int, compute_s: float, round_start: float
     ) -> dict[str, Any]:
-        """Evaluate, then the metrics line of one round."""
+        """Evaluate (every eval_every outer steps and at the last), then the metrics line of one round."""
         eval_start = time.monotonic()
-        eval_loss = self.trainer.evaluate()
+        last = self.outer_step + (self.pending is not None) >= self.config.train.outer_steps
+        eval_loss = self.trainer.evaluate() if last or self.outer_step % self.config.train.eval_every == 0 else None
         eval_s = time.monotonic() - eval_start
         landed = landed or nothing_landed("first exchange in flight")  # with overlap, round 1 lands nothing
         transport = landed.verdict.transport

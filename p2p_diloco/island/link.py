@@ -16,6 +16,7 @@ from p2p_diloco.net.codecs import get_compression
 from p2p_diloco.net.connectivity import (
     ask_hello,
     connect_peers,
+    connected_peers,
     ping_peers,
     revoke_in_dht,
     routing_table_size,
@@ -59,6 +60,16 @@ class SwarmLink:
     def online(self) -> bool:
         """True when the island averages with a swarm."""
         return self.exchange is not None
+
+    def connected(self) -> set[str] | None:
+        """The peers connected to this island now; None where that cannot be told in time (then nobody is ruled out)."""
+        if self.dht is None:
+            return None
+        try:
+            return connected_peers(self.dht)
+        except Exception as error:  # a busy DHT process must not hold up the round
+            logger.debug(f"could not list connected peers: {error!r}")
+            return None
 
     def refresh(self, swarm_view: dict[str, dict[str, Any]]) -> None:
         """Dial islands of the run that are reachable only through a relay; now and then re-ping initial peers."""

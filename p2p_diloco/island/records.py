@@ -61,9 +61,10 @@ def round_record(
 
 def progress_line(record: dict[str, Any], outer_steps: int) -> str:
     """The log line of one round."""
+    evaluated = "-" if record["eval_loss"] is None else f"{record['eval_loss']:.4f}"
     return (
         f"outer step {record['outer_step']}/{outer_steps}: loss {record['loss']:.4f} "
-        f"eval {record['eval_loss']:.4f} partners {record['partners']} wait {record['wait_s']:.2f}s "
+        f"eval {evaluated} partners {record['partners']} wait {record['wait_s']:.2f}s "
         f"(grace window {record['grace_window_s'] or 0:.2f}s)"
         + ("" if record["fragment"] is None else f" fragment {record['fragment']}")
         + (f" ({record['note']})" if record["note"] else "")

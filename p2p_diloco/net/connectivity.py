@@ -70,6 +70,15 @@ def connect_peers(dht: DHT, peers: dict[str, list[str]], timeout: float = 10.0) 
     return future.result(timeout=timeout + 5)
 
 
+async def _connected_peers(dht: DHT, node: DHTNode) -> set[str]:
+    return {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
+
+
+def connected_peers(dht: DHT, timeout: float = 1.0) -> set[str]:
+    """The peers this island's p2pd holds a connection to now (direct or through a relay)."""
+    return dht.run_coroutine(_connected_peers, return_future=True).result(timeout=timeout)
+
+
 def ping_peers(dht: DHT, maddrs: list[str], timeout: float = 10.0) -> int:
     """Dial and DHT-ping each full multiaddr (so that a restarted bootstrap re-learns us); how many answered."""
     future = dht.run_coroutine(functools.partial(_ping_peers, maddrs=maddrs, timeout=timeout), return_future=True)
