@@ -191,8 +191,10 @@ def _chaos(data: dict, results: dict) -> list[Row]:
         why = (
             f"of the clean run's island time, the schedule itself takes {shares.get('schedule_downtime', 0):.2f} "
             f"(killed and frozen islands), restarts' process start {shares.get('restart_startup', 0):.2f}, and "
-            f"{shares.get('other', 0):.2f} the survivors' waits (a frozen island's DHT node stalls look-ups and "
-            "matchmaking for a round or two, a killed one is waited for while its record lives); even with no "
+            f"{shares.get('other', 0):.2f} the survivors' waits and lost rounds (a round an island froze in fails for "
+            "its whole group after the chunk timeout, 2 to 6 s; a frozen island, whose connections stay open, is "
+            "waited for up to 3 rounds; a killed one no longer is, its closed connections tell its partners at "
+            "once); even with no "
             f"waits, {1 - shares.get('schedule_downtime', 0) - shares.get('restart_startup', 0):.2f} is the ceiling "
             "of this schedule unless restarts are instant"
         )
@@ -282,8 +284,8 @@ def _bench_times(data: dict, results: dict) -> list[Row]:
         "the three longest: "
         + ", ".join(f"{s['script']} {s['seconds'] / 60:.0f} min" for s in longest)
         + "; every script is local swarms of 2 to 5 islands sharing 2 cores, and quality's length is what its target "
-        "costs (T = 288 rounds for 1.010; T = 144 took 15 min for 1.029): more cores, or a shorter horizon with the "
-        "quality target missed, would bring it to about 45"
+        "costs (T = 288 rounds for 1.010, evaluated every 8 rounds; T = 144 for 1.029): more cores, or a shorter "
+        "horizon with the quality target missed, would bring it to about 45"
     )
     return [
         (
