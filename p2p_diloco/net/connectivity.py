@@ -41,8 +41,12 @@ async def _dial(node: DHTNode, peer: str, addresses: list[str], timeout: float) 
         return False
 
 
+async def _connected_peers(dht: DHT, node: DHTNode) -> set[str]:
+    return {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
+
+
 async def _connect_peers(dht: DHT, node: DHTNode, peers: dict[str, list[str]], timeout: float) -> dict[str, bool]:
-    connected = {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
+    connected = await _connected_peers(dht, node)
     wanted = {peer: addresses for peer, addresses in peers.items() if peer not in connected and addresses}
     results = await asyncio.gather(*(_dial(node, peer, addresses, timeout) for peer, addresses in wanted.items()))
     return dict(zip(wanted, results))
@@ -68,10 +72,6 @@ def connect_peers(dht: DHT, peers: dict[str, list[str]], timeout: float = 10.0) 
     """Dial each peer (peer id -> addresses) that this island is not connected to; which ones answered."""
     future = dht.run_coroutine(functools.partial(_connect_peers, peers=peers, timeout=timeout), return_future=True)
     return future.result(timeout=timeout + 5)
-
-
-async def _connected_peers(dht: DHT, node: DHTNode) -> set[str]:
-    return {info.peer_id.to_base58() for info in await node.p2p.list_peers()}
 
 
 def connected_peers(dht: DHT, timeout: float = 1.0) -> set[str]:
