@@ -1,4 +1,4 @@
-"""What each pseudo-gradient codec keeps of an fp32 vector, in pure torch: encode to bytes, decode back to fp32.
+"""What each pseudo-gradient codec keeps of an fp32 vector: encode to bytes, decode back to fp32.
 
     codec  format                                             bits per value
     fp32   the values as they are                             32
@@ -12,7 +12,9 @@
 
 Every codec decodes to fp32. NaN survives every codec, and int8/int4 turn a whole block holding NaN or inf into
 NaN, so a poisoned reduction (the strict all-reduce marks one with NaN) stays poisoned after re-encoding
-(bitsandbytes alone turns an all-NaN block into zeros). How these bytes travel inside hivemind's all-reduce is
+(bitsandbytes alone turns an all-NaN block into zeros). The float codecs are torch casts; the blockwise ones run
+on fused kernels (`p2p_diloco.diloco.kernels`, numba), since a pass of torch ops per step cost 7-30 ms per
+million values. How these bytes travel inside hivemind's all-reduce is
 `p2p_diloco.net.codecs`; error feedback on top of them is `p2p_diloco.diloco.error_feedback`.
 """
 
@@ -20,12 +22,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import sys
 import threading
 import zlib
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from p2p_diloco.diloco.sparse import decode_sparse, encode_sparse
@@ -42,34 +44,56 @@ def read_values(payload: bytes, offset: int, count: int, dtype: torch.dtype) -> 
         raise CodecMismatchError(f"truncated payload: needs {offset + nbytes} bytes, has {len(payload)}")
     if count == 0:
         return torch.empty(0, dtype=dtype), offset
-    return torch.frombuffer(bytearray(payload[offset : offset + nbytes]), dtype=dtype), offset + nbytes
+    copied = bytearray(memoryview(payload)[offset : offset + nbytes])  # slicing bytes would copy once more
+    return torch.frombuffer(copied, dtype=dtype), offset + nbytes
 
 
-def padded_blocks(values: torch.Tensor, block_size: int) -> torch.Tensor:
-    """`values` (flat fp32) zero-padded to whole blocks, as (blocks, block_size)."""
-    blocks = max(1, -(-values.numel() // block_size))
-    if values.numel() == blocks * block_size:
-        return values.view(blocks, block_size)
-    padded = values.new_zeros(blocks * block_size)
-    padded[: values.numel()] = values
-    return padded.view(blocks, block_size)
+_KERNELS_LOCK = threading.Lock()
+_KERNELS = None
 
 
-def _poison_non_finite_blocks(values: torch.Tensor, absmax: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Set the scale of every block that holds NaN or inf to NaN, so that the whole block decodes to NaN."""
-    if math.isfinite(float(values.sum())):  # a NaN or inf anywhere makes the sum NaN or inf; 4x cheaper than isfinite
-        return absmax
-    bad = ~torch.isfinite(padded_blocks(values, block_size)).all(dim=1)
-    return torch.where(bad, torch.full_like(absmax, float("nan")), absmax)
+def _kernels():
+    """p2p_diloco.diloco.kernels, imported on first use (numba's import is 0.2 s; fp32 islands never need it)."""
+    global _KERNELS
+    with _KERNELS_LOCK:
+        if _KERNELS is None:
+            from p2p_diloco.diloco import kernels
+
+            _KERNELS = kernels
+    return _KERNELS
 
 
-def level_indices(values: torch.Tensor, midpoints: torch.Tensor) -> torch.Tensor:
-    """Index of the nearest level for each value, as uint8, given the ascending midpoints between the levels: what
-    torch.bucketize(values, midpoints) gives, 2-3x faster for the few levels of a 2- or 4-bit code."""
-    indices = torch.zeros(values.shape, dtype=torch.uint8)
-    for midpoint in midpoints.tolist():
-        indices += values > midpoint
-    return indices
+class _BlockCodec:
+    """The blockwise layout of int8, int4 and int2: fp32 scales[blocks], then `bits`-bit codes packed high first."""
+
+    def __init__(self, name: str, bits: int, rms: bool) -> None:
+        self.name, self.bits, self.rms = name, bits, rms
+        self._lookup: tuple | None = None
+
+    def encode(self, values: torch.Tensor, levels: torch.Tensor, block_size: int) -> bytes:
+        """Scale, round to the nearest of `levels` and pack, in one pass per block."""
+        if self._lookup is None:
+            self._lookup = _kernels().level_lookup(levels.numpy())
+        numel = values.numel()
+        blocks = -(-numel // block_size)
+        payload = np.empty(4 * blocks + -(-numel * self.bits // 8), dtype=np.uint8)
+        scales, packed = payload[: 4 * blocks].view(np.float32), payload[4 * blocks :]
+        _kernels().encode_blocks(values.numpy(), block_size, self.rms, *self._lookup, self.bits, scales, packed)
+        return payload.tobytes()
+
+    def decode(self, payload: bytes, numel: int, block_size: int, levels: torch.Tensor) -> torch.Tensor:
+        """Values from `encode`'s bytes; CodecMismatchError for a size or block size they cannot hold."""
+        blocks = -(-numel // block_size) if block_size > 0 else 0
+        expected = 4 * blocks + -(-numel * self.bits // 8)
+        if block_size <= 0 or block_size % (8 // self.bits) or len(payload) != expected:
+            raise CodecMismatchError(
+                f"{self.name} payload of {len(payload)} bytes for {numel} values in blocks of {block_size}"
+            )
+        raw = np.frombuffer(payload, dtype=np.uint8)
+        scales = raw[: 4 * blocks].copy().view(np.float32)  # copied: the kernel wants aligned fp32
+        out = np.empty(numel, dtype=np.float32)
+        _kernels().decode_blocks(raw[4 * blocks :], scales, block_size, levels.numpy(), self.bits, out)
+        return torch.from_numpy(out)
 
 
 class Quantizer:
@@ -85,8 +109,17 @@ class Quantizer:
 
     def table_checksum(self) -> int:
         """16-bit checksum of the code table: peers with another table (another bitsandbytes) are told apart."""
-        code = self.code_table()
-        return 0 if code is None else zlib.crc32(code.to(torch.float32).numpy().tobytes()) & 0xFFFF
+        cached = self.__dict__.get("_checksum")
+        if cached is None:  # asked for every part sent and received
+            code = self.code_table()
+            cached = self._checksum = (
+                0 if code is None else zlib.crc32(code.to(torch.float32).numpy().tobytes()) & 0xFFFF
+            )
+        return cached
+
+    def warm_up(self) -> None:
+        """Load and compile what the format runs on now (before an averager process forks from us)."""
+        self.round_trip(torch.ones(3))
 
     def encode(self, values: torch.Tensor) -> bytes:
         """Bytes for flat fp32 `values`."""
@@ -189,40 +222,29 @@ def _without_hub_kernels() -> Iterator[None]:
 
 
 class Int8Blockwise(Quantizer):
-    """bitsandbytes' blockwise 8-bit dynamic quantization: one fp32 absmax per block of 256, 8-bit codes.
+    """bitsandbytes' blockwise 8-bit dynamic code: one fp32 absmax per block of 256, 8-bit codes.
 
+    The code table is bitsandbytes' (`create_dynamic_map`); encoding rounds to the truly nearest level and decoding
+    is bit for bit bitsandbytes' `dequantize_blockwise`, both in `p2p_diloco.diloco.kernels` (6x and 4x faster on
+    CPU than bitsandbytes, whose encoder's binary search misses the nearest level for 0.15% of values).
     Payload: absmax fp32[blocks] + codes uint8[n].
     """
 
     name, block_size = "int8", 256
     bits_per_value = 8.0 + 32.0 / 256
     _code: torch.Tensor | None = None
+    _blocks = _BlockCodec("int8", bits=8, rms=False)
 
     def code_table(self) -> torch.Tensor:
         if self._code is None:
             self._code = _bitsandbytes().create_dynamic_map(signed=True).to(torch.float32)
         return self._code
 
-    def warm_up(self) -> None:
-        """Import bitsandbytes and load its CPU kernels now (before an averager process forks from us)."""
-        self.round_trip(torch.ones(3))
-
     def encode(self, values: torch.Tensor) -> bytes:
-        codes, state = _bitsandbytes().quantize_blockwise(values, code=self.code_table(), blocksize=self.block_size)
-        absmax = _poison_non_finite_blocks(values, state.absmax.to(torch.float32), self.block_size)
-        return absmax.numpy().tobytes() + codes.numpy().tobytes()
+        return self._blocks.encode(values, self.code_table(), self.block_size)
 
     def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
-        blocks = -(-numel // block_size)
-        absmax, offset = read_values(payload, 0, blocks, torch.float32)
-        codes, end = read_values(payload, offset, numel, torch.uint8)
-        if end != len(payload):
-            raise CodecMismatchError(f"int8 payload of {len(payload)} bytes for {numel} values")
-        return (
-            _bitsandbytes()
-            .dequantize_blockwise(codes, absmax=absmax, code=self.code_table(), blocksize=block_size)
-            .to(torch.float32)
-        )
+        return self._blocks.decode(payload, numel, block_size, self.code_table())
 
 
 # NormalFloat4 levels (QLoRA; the table bitsandbytes uses for quant_type="nf4"), ascending.
@@ -249,47 +271,27 @@ NF4_LEVELS = torch.tensor(
 
 
 class Int4NormalFloat(Quantizer):
-    """Blockwise 4-bit NormalFloat (NF4) in pure torch: one fp32 absmax per block of 128, two codes per byte.
+    """Blockwise 4-bit NormalFloat (NF4): one fp32 absmax per block of 128, two codes per byte.
 
     Values are scaled by their block's absmax and rounded to the nearest of 16 NF4 levels (exact zero included).
     On N(0,1) data NF4 halves the error of an E3M0 float (powers of two, as in Streaming DiLoCo): relative L2
-    error 0.096 vs 0.19 at the same size. bitsandbytes' own CPU quantize_4bit is the same bucketize in torch,
-    but its CPU dequantize falls back to a torch.compile'd function for odd sizes, which we avoid.
+    error 0.096 vs 0.19 at the same size. bitsandbytes' own CPU quantize_4bit is a torch bucketize (30x slower
+    than the kernel here) and its CPU dequantize falls back to a torch.compile'd function for odd sizes.
     Payload: absmax fp32[blocks] + packed uint8[ceil(n / 2)] (high nibble first).
     """
 
     name, block_size = "int4", 128
     bits_per_value = 4.0 + 32.0 / 128
-    _midpoints = (NF4_LEVELS[1:] + NF4_LEVELS[:-1]) / 2
-    # value pairs of every byte: a decoded byte is one row lookup instead of two
-    _pairs = torch.stack([NF4_LEVELS.repeat_interleave(16), NF4_LEVELS.repeat(16)], dim=1)
+    _blocks = _BlockCodec("int4", bits=4, rms=False)
 
     def code_table(self) -> torch.Tensor:
         return NF4_LEVELS
 
     def encode(self, values: torch.Tensor) -> bytes:
-        numel = values.numel()
-        blocks = padded_blocks(values, self.block_size)
-        absmax = blocks.abs().amax(dim=1)
-        scale = torch.where(absmax > 0, absmax, torch.ones_like(absmax))
-        indices = level_indices(blocks / scale[:, None], self._midpoints).view(-1)
-        indices = indices[: numel + (numel & 1)]  # padding holds zeros; keep one to pair with
-        packed = (indices[0::2] << 4) | indices[1::2]
-        absmax = torch.where(torch.isfinite(absmax), absmax, float("nan"))  # amax already propagates NaN
-        return absmax.numpy().tobytes() + packed.numpy().tobytes()
+        return self._blocks.encode(values, NF4_LEVELS, self.block_size)
 
     def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
-        blocks = -(-numel // block_size)
-        absmax, offset = read_values(payload, 0, blocks, torch.float32)
-        packed, end = read_values(payload, offset, (numel + 1) // 2, torch.uint8)
-        if end != len(payload):
-            raise CodecMismatchError(f"int4 payload of {len(payload)} bytes for {numel} values")
-        levels = self._pairs.index_select(0, packed.to(torch.int32)).view(-1)
-        if levels.numel() != blocks * block_size:
-            padded = levels.new_zeros(blocks * block_size)
-            padded[:numel] = levels[:numel]
-            levels = padded
-        return levels.view(blocks, block_size).mul_(absmax[:, None]).view(-1)[:numel]
+        return self._blocks.decode(payload, numel, block_size, NF4_LEVELS)
 
 
 INT2_LEVELS = torch.tensor([-1.5104176, -0.4527800, 0.4527800, 1.5104176])
@@ -297,7 +299,7 @@ INT2_LEVELS = torch.tensor([-1.5104176, -0.4527800, 0.4527800, 1.5104176])
 
 
 class Int2Gaussian(Quantizer):
-    """Blockwise 2-bit in pure torch: each block of 128 values is scaled by its RMS and rounded to the nearest of
+    """Blockwise 2-bit: each block of 128 values is scaled by its RMS and rounded to the nearest of
     the 4 Lloyd-Max levels of a unit Gaussian, four codes per byte.
 
     RMS rather than absmax scaling: with 4 levels an absmax scale would spend them on the tails. A zero block
@@ -308,37 +310,16 @@ class Int2Gaussian(Quantizer):
 
     name, block_size = "int2", 128
     bits_per_value = 2.0 + 32.0 / 128
-    _midpoints = (INT2_LEVELS[1:] + INT2_LEVELS[:-1]) / 2
-    _quads = INT2_LEVELS[torch.stack([(torch.arange(256) >> shift) & 3 for shift in (6, 4, 2, 0)], dim=1)]
+    _blocks = _BlockCodec("int2", bits=2, rms=True)
 
     def code_table(self) -> torch.Tensor:
         return INT2_LEVELS
 
     def encode(self, values: torch.Tensor) -> bytes:
-        numel = values.numel()
-        blocks = padded_blocks(values, self.block_size)
-        counts = torch.full((blocks.shape[0],), float(self.block_size))
-        counts[-1] = numel - (blocks.shape[0] - 1) * self.block_size  # the padding of the last block is not data
-        rms = (blocks.square().sum(dim=1) / counts).sqrt()
-        scale = torch.where(rms > 0, rms, torch.ones_like(rms))
-        codes = level_indices(blocks / scale[:, None], self._midpoints).view(-1)[:numel]
-        codes = torch.nn.functional.pad(codes, (0, -numel % 4)).view(-1, 4)
-        packed = (codes[:, 0] << 6) | (codes[:, 1] << 4) | (codes[:, 2] << 2) | codes[:, 3]
-        rms = _poison_non_finite_blocks(values, rms, self.block_size)
-        return rms.numpy().tobytes() + packed.numpy().tobytes()
+        return self._blocks.encode(values, INT2_LEVELS, self.block_size)
 
     def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
-        blocks = -(-numel // block_size)
-        rms, offset = read_values(payload, 0, blocks, torch.float32)
-        packed, end = read_values(payload, offset, (numel + 3) // 4, torch.uint8)
-        if end != len(payload):
-            raise CodecMismatchError(f"int2 payload of {len(payload)} bytes for {numel} values")
-        levels = self._quads.index_select(0, packed.to(torch.int32)).view(-1)  # a byte's four levels at once
-        if levels.numel() != blocks * block_size:
-            padded = levels.new_zeros(blocks * block_size)
-            padded[: min(numel, levels.numel())] = levels[:numel]
-            levels = padded
-        return levels.view(blocks, block_size).mul_(rms[:, None]).view(-1)[:numel]
+        return self._blocks.decode(payload, numel, block_size, INT2_LEVELS)
 
 
 class TopKSparse(Quantizer):

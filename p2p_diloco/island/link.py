@@ -281,7 +281,7 @@ def connect(
     """Join the DHT (or finish `joining`), find out how others reach us, announce this island (refusing a run of
     another model, codec or protocol) and start the exchange."""
     start = time.monotonic()
-    # Before the averager forks: the int8 codec loads bitsandbytes, which the averager process must inherit.
+    # Before the averager forks: blockwise codecs load their kernels (int8: and bitsandbytes), for it to inherit.
     compression = get_compression(network.codec, network.topk_bits)
     joining = joining or begin_join(network)
     joining.adopted = True

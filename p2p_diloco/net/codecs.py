@@ -53,7 +53,6 @@ from hivemind.proto import runtime_pb2
 from p2p_diloco.diloco.quantize import (
     CODEC_NAMES,
     CodecMismatchError,
-    Int8Blockwise,
     Quantizer,
     quantizer,
     read_values,
@@ -96,9 +95,8 @@ class FramedCodec(CompressionBase):
         return self.format.code_table()
 
     def warm_up(self) -> None:
-        """Load the format's library now, before an averager process forks from us (int8: bitsandbytes)."""
-        if isinstance(self.format, Int8Blockwise):
-            self.format.warm_up()
+        """Load and compile the format's kernels now, before an averager process forks from us."""
+        self.format.warm_up()
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         if not torch.is_floating_point(tensor):
@@ -131,7 +129,7 @@ class FramedCodec(CompressionBase):
         if checksum != self.format.table_checksum():
             raise CodecMismatchError(f"{self.name} payload quantized with another code table (bitsandbytes version?)")
         numel = math.prod(serialized_tensor.size)
-        payload = buffer[_HEADER.size :]
+        payload = memoryview(buffer)[_HEADER.size :]  # a slice of bytes would copy the part once more
         if numel == 0 and not payload:
             values = torch.empty(0)
         elif numel == 0 or (self.block_size and not block_size):
@@ -261,8 +259,9 @@ install()
 def get_compression(name: str, topk_bits: int | None = None) -> CompressionBase:
     """The codec `name` as a hivemind CompressionBase (for GossipExchange(compression=...)).
 
-    Call it before the averager process starts: int8 imports bitsandbytes here (seconds) so that the forked
-    averager inherits the loaded library instead of importing it in the middle of its first all-reduce. It also
+    Call it before the averager process starts: the blockwise codecs load their kernels here (int8 also imports
+    bitsandbytes for its code table: seconds) so that the forked averager inherits them instead of compiling or
+    importing in the middle of its first all-reduce. It also
     makes `name` the codec its slot re-encodes with when the slot is shared, and sets topk's value bits.
     """
     quantizer(name)  # the one-line error for an unknown name

@@ -132,7 +132,7 @@ class LanePartsMixin:
             return payload.view(torch.float32), runtime_pb2.CompressionType.NONE
 
         def decode() -> tuple[torch.Tensor, int]:
-            message = runtime_pb2.Tensor.FromString(payload.numpy().tobytes())
+            message = runtime_pb2.Tensor.FromString(memoryview(payload.numpy()))  # parses without a copy to bytes
             return deserialize_torch_tensor(message).reshape(-1), message.compression
 
         try:
