@@ -128,7 +128,9 @@ def describe(args: argparse.Namespace, rounds: int) -> dict:
             "codec_ms_per_million": "one core's milliseconds to encode / decode a million values with each codec "
             "(lib/codec_cost.py, the averager's own code)",
             "codec_s_estimate": "one peer's codec work in the round at those rates: encode N values, decode "
-            "2(M-1)/M N; stock hivemind's int8 is the same bitsandbytes codec",
+            "2(M-1)/M N; stock hivemind's int8 is hivemind's own codec (`hivemind_int8`: bitsandbytes' blockwise "
+            "quantization with blocks of 4096, lib/stock_int8.py, which needs a one-line fix to run under numpy 2), "
+            "p2p_diloco's is its own fused kernel (p2p_diloco/diloco/kernels.py)",
         },
         "settings": {
             "warmup_rounds": args.warmup,
@@ -166,8 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     add_ratios(rows)
     codec_costs = codec_ms_per_million()
     for row in rows:
-        if row.get("codec", "fp32") in codec_costs:
-            row["codec_s_estimate"] = round_codec_s(codec_costs, row["codec"], row["values"], row["peers"])
+        codec = row.get("codec", "fp32")
+        codec = "hivemind_int8" if codec == "int8" and row["system"] == "hivemind" else codec
+        if codec in codec_costs:
+            row["codec_s_estimate"] = round_codec_s(codec_costs, codec, row["values"], row["peers"])
     result = {
         **provenance("exchange.py", argv),
         "versions": versions(),

@@ -42,6 +42,9 @@ def test_exchange_benchmark_smoke(tmp_path: Path) -> None:
     assert next(row for row in rows if row["system"] == "gloo")["ratio_to_gloo"] == pytest.approx(1.0)
     assert (tmp_path / "exchange-smoke.png").stat().st_size > 0
     costs = result["codec_ms_per_million"]  # the codec's CPU beside the round it is part of
-    assert set(costs) == {"int8", "int4", "int2"} and all(c["encode"] > 0 and c["decode"] > 0 for c in costs.values())
+    assert set(costs) == {"int8", "int4", "int2", "hivemind_int8"}
+    assert all(c["encode"] > 0 and c["decode"] > 0 for c in costs.values())
     int8 = next(row for row in rows if (row["system"], row["codec"]) == ("p2p_diloco", "int8"))
     assert int8["codec_s_estimate"] == pytest.approx((costs["int8"]["encode"] + costs["int8"]["decode"]) / 1e3)
+    stock = next(row for row in rows if (row["system"], row["codec"]) == ("hivemind", "int8"))  # hivemind's own codec
+    assert stock["codec_s_estimate"] == pytest.approx(sum(costs["hivemind_int8"].values()) / 1e3)

@@ -44,9 +44,23 @@ def codec_ms_per_million(codecs: tuple[str, ...] = CODECS, values: int = VALUES,
                 lambda codec=codec, payload=payload: codec.decode(payload, values, codec.block_size), repeats
             )
             costs[name] = {"encode": encode * 1e6 / values, "decode": decode * 1e6 / values}
+        costs["hivemind_int8"] = _stock_int8_ms(vector, repeats)
         return costs
     finally:
         torch.set_num_threads(threads)
+
+
+def _stock_int8_ms(vector: torch.Tensor, repeats: int) -> dict:
+    """hivemind's own int8 codec (`lib.stock_int8`, bitsandbytes), as the stock-hivemind rows run it."""
+    from hivemind.compression import CompressionInfo
+
+    from lib.stock_int8 import StockInt8
+
+    codec, info = StockInt8(), CompressionInfo.from_tensor(vector)
+    message = codec.compress(vector, info)
+    encode = _best_ms(lambda: codec.compress(vector, info), repeats)
+    decode = _best_ms(lambda: codec.extract(message), repeats)
+    return {"encode": encode * 1e6 / vector.numel(), "decode": decode * 1e6 / vector.numel()}
 
 
 def round_codec_s(costs: dict, codec: str, values: int, peers: int) -> float:

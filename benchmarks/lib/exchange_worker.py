@@ -180,7 +180,11 @@ def _start_averager(args: argparse.Namespace, ready: dict, cleanup: list[Callabl
 
     from p2p_diloco.net.codecs import get_compression
 
-    compression = get_compression(args.codec)  # before the averager forks (int8 loads bitsandbytes here)
+    compression = get_compression(args.codec)  # before the averager forks (the codec loads its kernels here)
+    if args.worker == "hivemind" and args.codec == "int8":
+        from lib.stock_int8 import install_stock_int8
+
+        compression = install_stock_int8()  # hivemind's own int8 (bitsandbytes, blocks of 4096), not ours
     dht = _start_dht(args, ready, cleanup)
     timeouts = dict(
         min_matchmaking_time=MIN_MATCHMAKING_TIME,
@@ -231,10 +235,11 @@ def _start_averager(args: argparse.Namespace, ready: dict, cleanup: list[Callabl
     # Nothing of the averager's state matters at exit: kill it rather than wait for its shutdown timeout.
     cleanup.insert(0, lambda: (averager.kill(), averager.join(5)))
     ready["averager_pid"] = averager.pid
+    ready["compression"] = compression
     return run_round
 
 
-def tolerance(codec: str, vector: Any, expected: Any) -> float:
+def tolerance(codec: str, vector: Any, expected: Any, compression: Any = None) -> float:
     """How far a correct result may be from the true mean: exact for fp32, else two quantisation passes.
 
     A codec's round has every contribution quantised once and the reduced parts once more; three times the worst
@@ -244,7 +249,7 @@ def tolerance(codec: str, vector: Any, expected: Any) -> float:
         return TOLERANCE
     from p2p_diloco.net.codecs import round_trip
 
-    worst = max(float((round_trip(codec, x) - x).abs().max()) for x in (vector, expected))
+    worst = max(float((round_trip(compression or codec, x) - x).abs().max()) for x in (vector, expected))
     return 3.0 * worst + TOLERANCE
 
 
@@ -277,7 +282,7 @@ def worker(args: argparse.Namespace) -> int:
     try:
         run_round = _start_gloo(args, cleanup) if args.worker == "gloo" else _start_averager(args, ready, cleanup)
         vector, expected = make_vectors(args.rank, args.peers, args.values)
-        allowed = tolerance(args.codec, vector, expected)
+        allowed = tolerance(args.codec, vector, expected, ready.pop("compression", None))
         print("READY " + json.dumps({**ready, "tolerance": allowed}), flush=True)
         _serve(run_round, vector, expected, args.no_check, allowed)
     finally:

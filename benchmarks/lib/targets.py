@@ -33,11 +33,21 @@ def _exchange(data: dict, results: dict) -> list[Row]:
             own_fp32 = ours.get(("fp32", *key), {}).get("seconds")
             if codec != "fp32" and own_fp32 and worst.get("codec_s_estimate"):
                 stock = worst["seconds"] * worst["speedup_vs_hivemind"]
+                stock_codec = next(
+                    (
+                        r.get("codec_s_estimate")
+                        for r in rows
+                        if r["system"] == "hivemind" and r["codec"] == codec and (r["values"], r["peers"]) == key
+                    ),
+                    None,
+                )
+                theirs = f", stock hivemind's {stock_codec:.2f} s (bitsandbytes)" if stock_codec else ""
                 why = (
                     f"at {key[0] / 1e6:g}M x {key[1]}, 2x over stock hivemind's {stock:.2f} s means {stock / 2:.2f} s, "
-                    f"against our own fp32 round's {own_fp32:.2f} s: on loopback 4x fewer bytes save little, while "
-                    f"the codec adds {worst['codec_s_estimate']:.2f} s of one core per peer (bitsandbytes, the same "
-                    "codec stock hivemind runs); on a real link the bytes dominate (link.py)"
+                    f"against our own fp32 round's {own_fp32:.2f} s: on loopback 4x fewer bytes save little; our "
+                    f"codec costs {worst['codec_s_estimate']:.2f} s of one core per peer (fused kernels){theirs}, "
+                    "and the rest is what every round pays (matchmaking, lane set-up, the pipeline's fill); on a "
+                    "real link the bytes dominate (link.py)"
                 )
             out.append(
                 (
@@ -105,10 +115,13 @@ def _link(data: dict, results: dict) -> list[Row]:
         why = (
             f"at {worst['islands']} islands, {excess:.2f} s above the wire time: matchmaking {matchmaking:.2f} s, "
             f"encoding at least {encode_s:.2f} s of one core (exchange.json's codec rates; {worst['islands']} islands "
-            f"share 2 cores here); the other {max(0.0, excess - matchmaking - encode_s):.2f} s, in a per-part trace "
-            "of 2 islands at int4, are the pipeline's fill and drain: the first part leaves 35-50 ms after the round "
-            "starts, and the last reply can leave only once the last part is in (a 332 KB part is 27 ms of wire), "
-            "behind the parts already queued on the uplink; smaller first and last parts would shorten both "
+            f"share 2 cores here); the other {max(0.0, excess - matchmaking - encode_s):.2f} s, in per-part traces "
+            "(2 islands, and 4 islands at int4), are the pipeline's start and end: members leave matchmaking up to "
+            "45 ms apart, a sender's lane to a reducer opens 20-85 ms into the round (its ticket waits for that "
+            "reducer to enter the round), each reducer answers part p only once the slowest sender's part p is in, "
+            "and the last reply can leave only once the last part is in, behind the parts already queued on the "
+            "uplink (the slowest reducer's uplink ran at 74% of its rate over the round); lanes kept across rounds "
+            "and smaller first and last parts would shorten both "
             "(overlapping a reducer's encoding with its sends changed nothing measurable)"
         )
         out.append(
