@@ -105,3 +105,23 @@ def test_a_payload_with_an_impossible_block_size_or_length_is_refused_not_read(n
         codec.decode(payload[:-1], 1000, codec.block_size)
     with pytest.raises(CodecMismatchError):
         codec.decode(payload, 100_000, codec.block_size)
+
+
+@pytest.mark.parametrize("name", ["fp32", "fp16", "bf16", "int8", "int4", "int2", "topk"])
+def test_a_part_decodes_into_place_bit_for_bit_as_it_extracts(name: str) -> None:
+    from hivemind.compression import CompressionInfo
+
+    from p2p_diloco.net.codecs import decode_into, get_compression
+
+    codec = get_compression(name)
+    values = torch.randn(1000, generator=torch.Generator().manual_seed(4))
+    if name == "topk":
+        values[torch.rand(1000, generator=torch.Generator().manual_seed(5)) > 0.05] = 0.0
+    message = codec.compress(values, CompressionInfo.from_tensor(values))
+    extracted = codec.extract(message)
+    target = torch.full((1000,), float("nan"))
+    written = decode_into(message, target)
+    assert written.data_ptr() == target.data_ptr()
+    assert torch.equal(target.view(torch.int32), extracted.view(torch.int32))
+    with pytest.raises(CodecMismatchError):
+        decode_into(message, torch.empty(999))

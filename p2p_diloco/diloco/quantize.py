@@ -81,8 +81,11 @@ class _BlockCodec:
         _kernels().encode_blocks(values.numpy(), block_size, self.rms, *self._lookup, self.bits, scales, packed)
         return payload.tobytes()
 
-    def decode(self, payload: bytes, numel: int, block_size: int, levels: torch.Tensor) -> torch.Tensor:
-        """Values from `encode`'s bytes; CodecMismatchError for a size or block size they cannot hold."""
+    def decode(
+        self, payload: bytes, numel: int, block_size: int, levels: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Values from `encode`'s bytes (written into `out`, flat contiguous fp32, if given); CodecMismatchError for
+        a size or block size they cannot hold."""
         blocks = -(-numel // block_size) if block_size > 0 else 0
         expected = 4 * blocks + -(-numel * self.bits // 8)
         if block_size <= 0 or block_size % (8 // self.bits) or len(payload) != expected:
@@ -91,9 +94,12 @@ class _BlockCodec:
             )
         raw = np.frombuffer(payload, dtype=np.uint8)
         scales = raw[: 4 * blocks].copy().view(np.float32)  # copied: the kernel wants aligned fp32
-        out = np.empty(numel, dtype=np.float32)
-        _kernels().decode_blocks(raw[4 * blocks :], scales, block_size, levels.numpy(), self.bits, out)
-        return torch.from_numpy(out)
+        if out is None:
+            out = torch.empty(numel, dtype=torch.float32)
+        elif out.dtype != torch.float32 or out.numel() != numel or not out.is_contiguous():
+            raise ValueError(f"cannot decode {numel} values into a {out.dtype} tensor of {out.numel()}")
+        _kernels().decode_blocks(raw[4 * blocks :], scales, block_size, levels.numpy(), self.bits, out.view(-1).numpy())
+        return out
 
 
 class Quantizer:
@@ -128,6 +134,10 @@ class Quantizer:
     def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
         """Flat fp32 values from `encode`'s bytes (`block_size` as the sender used it)."""
         raise NotImplementedError
+
+    def decode_into(self, payload: bytes, numel: int, block_size: int, out: torch.Tensor) -> torch.Tensor:
+        """`decode` written into `out` (flat contiguous fp32 of `numel` values); `out`."""
+        return out.copy_(self.decode(payload, numel, block_size))
 
     def round_trip(self, values: torch.Tensor) -> torch.Tensor:
         """What a peer decodes from `values`, in fp32 and in `values`' shape."""
@@ -221,7 +231,22 @@ def _without_hub_kernels() -> Iterator[None]:
             sys.modules.pop("kernels", None)
 
 
-class Int8Blockwise(Quantizer):
+class Blockwise(Quantizer):
+    """A format of `_BlockCodec`'s layout over the levels of `code_table()`, decoded without copies."""
+
+    _blocks: _BlockCodec
+
+    def encode(self, values: torch.Tensor) -> bytes:
+        return self._blocks.encode(values, self.code_table(), self.block_size)
+
+    def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
+        return self._blocks.decode(payload, numel, block_size, self.code_table())
+
+    def decode_into(self, payload: bytes, numel: int, block_size: int, out: torch.Tensor) -> torch.Tensor:
+        return self._blocks.decode(payload, numel, block_size, self.code_table(), out)
+
+
+class Int8Blockwise(Blockwise):
     """bitsandbytes' blockwise 8-bit dynamic code: one fp32 absmax per block of 256, 8-bit codes.
 
     The code table is bitsandbytes' (`create_dynamic_map`); encoding rounds to the truly nearest level and decoding
@@ -239,12 +264,6 @@ class Int8Blockwise(Quantizer):
         if self._code is None:
             self._code = _bitsandbytes().create_dynamic_map(signed=True).to(torch.float32)
         return self._code
-
-    def encode(self, values: torch.Tensor) -> bytes:
-        return self._blocks.encode(values, self.code_table(), self.block_size)
-
-    def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
-        return self._blocks.decode(payload, numel, block_size, self.code_table())
 
 
 # NormalFloat4 levels (QLoRA; the table bitsandbytes uses for quant_type="nf4"), ascending.
@@ -270,7 +289,7 @@ NF4_LEVELS = torch.tensor(
 )
 
 
-class Int4NormalFloat(Quantizer):
+class Int4NormalFloat(Blockwise):
     """Blockwise 4-bit NormalFloat (NF4): one fp32 absmax per block of 128, two codes per byte.
 
     Values are scaled by their block's absmax and rounded to the nearest of 16 NF4 levels (exact zero included).
@@ -287,18 +306,12 @@ class Int4NormalFloat(Quantizer):
     def code_table(self) -> torch.Tensor:
         return NF4_LEVELS
 
-    def encode(self, values: torch.Tensor) -> bytes:
-        return self._blocks.encode(values, NF4_LEVELS, self.block_size)
-
-    def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
-        return self._blocks.decode(payload, numel, block_size, NF4_LEVELS)
-
 
 INT2_LEVELS = torch.tensor([-1.5104176, -0.4527800, 0.4527800, 1.5104176])
 """The 4-level Lloyd-Max quantizer of N(0, 1): the least mean-square error 2-bit code of a Gaussian."""
 
 
-class Int2Gaussian(Quantizer):
+class Int2Gaussian(Blockwise):
     """Blockwise 2-bit: each block of 128 values is scaled by its RMS and rounded to the nearest of
     the 4 Lloyd-Max levels of a unit Gaussian, four codes per byte.
 
@@ -314,12 +327,6 @@ class Int2Gaussian(Quantizer):
 
     def code_table(self) -> torch.Tensor:
         return INT2_LEVELS
-
-    def encode(self, values: torch.Tensor) -> bytes:
-        return self._blocks.encode(values, INT2_LEVELS, self.block_size)
-
-    def decode(self, payload: bytes, numel: int, block_size: int) -> torch.Tensor:
-        return self._blocks.decode(payload, numel, block_size, INT2_LEVELS)
 
 
 class TopKSparse(Quantizer):

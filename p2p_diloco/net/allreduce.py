@@ -22,6 +22,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished, azip
 
+from p2p_diloco.net.codecs import decode_into
 from p2p_diloco.net.counters import ByteCounters, LinkLimiter
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.lane_parts import LanePartsMixin
@@ -57,7 +58,9 @@ async def write_results_in_place(container: TensorPartContainer) -> AsyncIterato
             part = container._output_parts_by_peer[peer_index].popleft()
             if part.numel() > flat.numel() - offset:
                 raise AllreduceException(f"an averaged part of {part.numel()} values overflows tensor {tensor_index}")
-            flat[offset : offset + part.numel()].copy_(part.reshape(-1))
+            destination = flat[offset : offset + part.numel()]
+            if part.data_ptr() != destination.data_ptr():  # most parts were received or decoded in place
+                destination.copy_(part.reshape(-1))
             offset += part.numel()
             num_parts_processed += 1
             parts_done += 1
@@ -173,11 +176,23 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         """Elements whose reducer never answered."""
         return self.tensor_part_container.failed_size
 
-    async def _local_round_trip(self, part_index: int, averaged_part: torch.Tensor) -> torch.Tensor:
+    async def _local_round_trip(self, peer_index: int, part_index: int, averaged_part: torch.Tensor) -> torch.Tensor:
         # Remote members decode the compressed average; the reducer must use the same bits for its own part.
+        destination = self._result_destination(peer_index, part_index)
         if self._compression_type == runtime_pb2.CompressionType.NONE:
-            return averaged_part.clone()
-        return deserialize_torch_tensor(await self.served.serialized(part_index, averaged_part, self._compression_type))
+            return averaged_part.clone() if destination is None else destination.copy_(averaged_part.view(-1))
+        serialized = await self.served.serialized(part_index, averaged_part, self._compression_type)
+        return deserialize_torch_tensor(serialized) if destination is None else decode_into(serialized, destination)
+
+    def _result_destination(self, peer_index: int, part_index: int) -> torch.Tensor | None:
+        """Where reducer `peer_index`'s averaged part `part_index` ends up: our own input part there, a flat view
+        of the averaged tensor (written early as in `write_results_in_place`, and restored from the averager's
+        backup if the round fails), so that it is received or decoded straight into place. None if not fp32."""
+        parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+        if part_index >= len(parts):
+            return None
+        part = parts[part_index][0]
+        return part if part.dtype == torch.float32 and part.is_contiguous() and not part.requires_grad else None
 
     async def _communicate_with_peer(self, peer_id: PeerID) -> None:
         """Send our parts to one reducer and register the averaged parts it returns."""
@@ -188,7 +203,8 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
                 averaged_part = await self.tensor_part_reducer.accumulate_part(
                     sender_index, part_index, tensor_part, weight=self.weight
                 )
-                self._register_part(peer_index, part_index, await self._local_round_trip(part_index, averaged_part))
+                averaged_part = await self._local_round_trip(peer_index, part_index, averaged_part)
+                self._register_part(peer_index, part_index, averaged_part)
             return
         try:
             expected = self.tensor_part_container.num_parts_by_peer[peer_index]

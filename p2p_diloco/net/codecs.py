@@ -62,6 +62,7 @@ __all__ = [
     "CODECS",
     "CodecMismatchError",
     "bits_per_value",
+    "decode_into",
     "get_compression",
     "install",
     "round_trip",
@@ -114,6 +115,20 @@ class FramedCodec(CompressionBase):
         )
 
     def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        payload, numel, block_size = self._checked(serialized_tensor)
+        values = torch.empty(0) if numel == 0 else self.format.decode(payload, numel, block_size)
+        dtype = getattr(torch, serialized_tensor.dtype)
+        return values.to(dtype).reshape(tuple(serialized_tensor.size)).requires_grad_(serialized_tensor.requires_grad)
+
+    def extract_into(self, serialized_tensor: runtime_pb2.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`extract` written into `out` (flat contiguous fp32 holding exactly the message's values); `out`."""
+        payload, numel, block_size = self._checked(serialized_tensor)
+        if numel != out.numel():
+            raise CodecMismatchError(f"{self.name} part of {numel} values where {out.numel()} were expected")
+        return out if numel == 0 else self.format.decode_into(payload, numel, block_size, out)
+
+    def _checked(self, serialized_tensor: runtime_pb2.Tensor) -> tuple[memoryview, int, int]:
+        """The payload after our header, the value count and the sender's block size, once the header matches."""
         buffer = serialized_tensor.buffer
         slot = runtime_pb2.CompressionType.Name(serialized_tensor.compression)
         if len(buffer) < _HEADER.size or buffer[: len(_MAGIC)] != _MAGIC:
@@ -130,14 +145,9 @@ class FramedCodec(CompressionBase):
             raise CodecMismatchError(f"{self.name} payload quantized with another code table (bitsandbytes version?)")
         numel = math.prod(serialized_tensor.size)
         payload = memoryview(buffer)[_HEADER.size :]  # a slice of bytes would copy the part once more
-        if numel == 0 and not payload:
-            values = torch.empty(0)
-        elif numel == 0 or (self.block_size and not block_size):
+        if (numel == 0) != (not payload) or (numel and self.block_size and not block_size):
             raise CodecMismatchError(f"{self.name} payload of {len(payload)} bytes for {numel} values")
-        else:
-            values = self.format.decode(payload, numel, block_size)
-        dtype = getattr(torch, serialized_tensor.dtype)
-        return values.to(dtype).reshape(tuple(serialized_tensor.size)).requires_grad_(serialized_tensor.requires_grad)
+        return payload, numel, block_size
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self.bits_per_value / torch.finfo(info.descriptor.dtype).bits
@@ -275,6 +285,18 @@ def get_compression(name: str, topk_bits: int | None = None) -> CompressionBase:
     if isinstance(codec, FramedCodec):
         codec.warm_up()
     return codec
+
+
+def decode_into(message: runtime_pb2.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """A part's values written into `out` (flat contiguous fp32 of the part's size), decoded in place where the
+    codec can (ours) and copied otherwise; `out`. Raises what decoding raises, also for a part of another size."""
+    codec = _serialization._BASE_COMPRESSION_TYPES[runtime_pb2.CompressionType.Name(message.compression)]
+    if isinstance(codec, FramedCodec) and message.dtype == "float32":
+        return codec.extract_into(message, out)
+    values = _serialization.deserialize_torch_tensor(message)
+    if values.numel() != out.numel():
+        raise CodecMismatchError(f"a part of {values.numel()} values where {out.numel()} were expected")
+    return out.copy_(values.reshape(-1))
 
 
 def bits_per_value(name: str) -> float:

@@ -19,6 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_logger
 
+from p2p_diloco.net.codecs import decode_into
 from p2p_diloco.net.direct import CONNECT_S, HELLO_S, PROTOBUF, RAW_FP32, DirectLanes, Lane, LaneError
 
 logger = get_logger(__name__)
@@ -109,9 +110,13 @@ class LanePartsMixin:
             while part_index < expected:
                 numel = None if parts is None else parts[part_index].numel()
                 limit = 4 * numel if numel is not None else self._max_compressed_bytes()
-                kind, _, payload = await asyncio.wait_for(lane.receive(part_index, limit), self.reducer_timeout)
+                # Raw parts are received, compressed ones decoded, straight into the averaged tensor.
+                destination = self._result_destination(peer_index, part_index)
+                into = destination.view(torch.uint8) if destination is not None and parts is not None else None
+                frame = lane.receive(part_index, limit, into=into)
+                kind, _, payload = await asyncio.wait_for(frame, self.reducer_timeout)
                 self.byte_counters.add(received=len(payload))
-                averaged, _ = await self._decode_lane_part(kind, payload, numel)
+                averaged, _ = await self._decode_lane_part(kind, payload, numel, destination)
                 self._register_part(peer_index, part_index, averaged)
                 part_index += 1
         except (LaneError, OSError, asyncio.TimeoutError) as error:
@@ -121,8 +126,11 @@ class LanePartsMixin:
     def _max_compressed_bytes(self) -> int:
         return self.tensor_part_container.part_size_bytes * 4 + PROTOBUF_SLACK
 
-    async def _decode_lane_part(self, kind: int, payload: torch.Tensor, numel: int | None) -> tuple[torch.Tensor, int]:
-        """A part's values (and its compression) from a frame's payload; a malformed one is a LaneError."""
+    async def _decode_lane_part(
+        self, kind: int, payload: torch.Tensor, numel: int | None, out: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, int]:
+        """A part's values (and its compression) from a frame's payload, a compressed one decoded into `out` if
+        given; a malformed one is a LaneError."""
         raw = self._compression_type == runtime_pb2.CompressionType.NONE
         if kind != (RAW_FP32 if raw else PROTOBUF):
             raise LaneError(f"a part of kind {kind} in a round whose codec is {self._compression_type}")
@@ -133,6 +141,8 @@ class LanePartsMixin:
 
         def decode() -> tuple[torch.Tensor, int]:
             message = runtime_pb2.Tensor.FromString(memoryview(payload.numpy()))  # parses without a copy to bytes
+            if out is not None:
+                return decode_into(message, out), message.compression
             return deserialize_torch_tensor(message).reshape(-1), message.compression
 
         try:
