@@ -236,16 +236,22 @@ class LanePartsMixin:
 
     async def _read_lane_parts(self, lane: Lane, shapes: list[torch.Size], arrived: asyncio.Queue) -> None:
         """Read and decode a sender's parts ahead of the reduction, into READ_AHEAD + 2 rotating buffers (a part's
-        buffer is free again once the reduction has taken the part that follows it)."""
+        buffer is free again once the reduction has taken the part that follows it: reducers keep no part past its
+        reduction)."""
         largest = max((shape.numel() for shape in shapes), default=0)
         buffers = [torch.empty(4 * largest + PROTOBUF_SLACK, dtype=torch.uint8) for _ in range(READ_AHEAD + 2)]
+        compressed = self._compression_type != runtime_pb2.CompressionType.NONE
+        # Compressed parts decode into rotating fp32 buffers too: a fresh one per part cost more in page faults.
+        decoded = [torch.empty(largest if compressed else 0) for _ in buffers]
         try:
             for part_index, shape in enumerate(shapes):
                 numel = shape.numel()
-                frame = lane.receive(part_index, 4 * numel + PROTOBUF_SLACK, into=buffers[part_index % len(buffers)])
+                slot = part_index % len(buffers)
+                frame = lane.receive(part_index, 4 * numel + PROTOBUF_SLACK, into=buffers[slot])
                 kind, weight, payload = await asyncio.wait_for(frame, self.sender_timeout)
                 self.byte_counters.add(received=len(payload))
-                values, compression = await self._decode_lane_part(kind, payload, numel)
+                out = decoded[slot][:numel] if compressed else None
+                values, compression = await self._decode_lane_part(kind, payload, numel, out)
                 await arrived.put((kind, weight if math.isfinite(weight) else 0.0, values, compression))
         except (LaneError, OSError, asyncio.TimeoutError) as error:
             await arrived.put(error)
