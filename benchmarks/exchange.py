@@ -46,7 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--values", type=int, nargs="+", help="vector sizes (default 10M 50M)")
     parser.add_argument("--peers", type=int, nargs="+", help="group sizes (default 2 4)")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
-    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 2)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 3; --quick 2)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled p2p_diloco run")
     parser.add_argument("--codecs", nargs="+", default=["fp32", "int8"], help="codecs (default fp32 int8; gloo: fp32)")
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.quick:
         values, peers, rounds = [10_000_000], [2], 2
     else:
-        values, peers, rounds = [10_000_000, 50_000_000], [2, 4], 2
+        values, peers, rounds = [10_000_000, 50_000_000], [2, 4], 3  # a median of 3 outlasts one slow round
     values, peers = args.values or values, args.peers or peers
     rounds = args.rounds or rounds
     started = time.monotonic()
