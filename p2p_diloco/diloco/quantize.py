@@ -21,6 +21,7 @@ million values. How these bytes travel inside hivemind's all-reduce is
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import sys
 import threading
@@ -48,19 +49,12 @@ def read_values(payload: bytes, offset: int, count: int, dtype: torch.dtype) -> 
     return torch.frombuffer(copied, dtype=dtype), offset + nbytes
 
 
-_KERNELS_LOCK = threading.Lock()
-_KERNELS = None
-
-
+@functools.cache
 def _kernels():
     """p2p_diloco.diloco.kernels, imported on first use (numba's import is 0.2 s; fp32 islands never need it)."""
-    global _KERNELS
-    with _KERNELS_LOCK:
-        if _KERNELS is None:
-            from p2p_diloco.diloco import kernels
+    from p2p_diloco.diloco import kernels
 
-            _KERNELS = kernels
-    return _KERNELS
+    return kernels
 
 
 class _BlockCodec:
