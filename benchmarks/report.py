@@ -192,10 +192,29 @@ def sparse_horizon(data: dict) -> str:
         [index + 1, curves["fp32"][index], curves["topk"][index], curves["topk"][index] / curves["fp32"][index], lag]
         for index, lag in enumerate(behind)
     ]
+    seeds = data.get("seeds", [data.get("seed")])
+    finals, spread = data["final_eval_loss"], data.get("final_eval_spread", {})
+    outer = data.get("topk_outer", {})
     return (
-        f"{data['islands']} islands, H = {data['H']}, {data['model']} model, seed {data['seed']}, in one process with "
-        "the swarm's codec, error feedback and outer optimizers.\n\n"
-        + table(["round", "fp32 eval", "topk eval", "topk / fp32", "rounds behind fp32"], rows)
+        f"{data['islands']} islands, H = {data['H']}, {data['model']} model, mean of seeds {seeds}, in one process "
+        "with the swarm's codec, error feedback, merge and outer optimizers"
+        + (f" (topk: SGD lr {outer['lr']}, residual faded by {data['error_feedback_decay']} a round)" if outer else "")
+        + ".\n\n"
+        + table(
+            [
+                "round",
+                "fp32 eval",
+                "topk eval",
+                "topk / fp32",
+                "rounds behind fp32 (negative: ahead; empty: fp32 never this low)",
+            ],
+            rows,
+        )
+        + f"\n\nFinal eval after {data['rounds']} rounds: fp32 {finals['fp32']:.4f} (spread "
+        f"{spread.get('fp32', 0):.4f}), topk {finals['topk']:.4f} (spread {spread.get('topk', 0):.4f}); topk / fp32 "
+        f"{data['topk_over_fp32']:.3f} on average, by seed "
+        + ", ".join(f"{r:.3f}" for r in data.get("topk_over_fp32_by_seed", [data["topk_over_fp32"]]))
+        + "."
     )
 
 

@@ -4,25 +4,29 @@
 rest) cannot have moved the model far: its eval loss there is far above fp32's. This script trains the same
 4 islands for more rounds in one process, with the swarm's own pieces (inner AdamW, `topk_sparsify`, the wire
 format both ways, `ErrorFeedback`, the reducer re-encoding the merge, the outer optimizers each codec defaults
-to: fp32 Nesterov 0.7 / 0.9, topk SGD lr 1) and a quorum-4 mean, so that no network time is spent; its round-2
-losses match the swarm runs of `bandwidth.py` (fp32 2.66 vs 2.66-2.70, topk 4.57 vs 4.54-4.60 at seed 0).
+to: fp32 Nesterov 0.7 / 0.9, topk plain SGD with a faded residual: `SPARSE_DEFAULTS`) and a quorum-4 merge (topk:
+each value over the islands that sent it, as `SparsePartReducer`), so that no network time is spent.
 
-    python benchmarks/sparse_horizon.py           # default model, 40 rounds, seed 0 (about 17 minutes)
-    python benchmarks/sparse_horizon.py --quick   # tiny model, 40 rounds (about a minute)
-    python benchmarks/sparse_horizon.py --smoke   # tiny model, 3 rounds (used by the tests)
+    python benchmarks/sparse_horizon.py           # default model, 24 rounds, seeds 0 1 2, 2 at a time (~10 min)
+    python benchmarks/sparse_horizon.py --quick   # tiny model, 40 rounds, seeds 0 1 2
+    python benchmarks/sparse_horizon.py --smoke   # tiny model, 3 rounds, seed 0 (used by the tests)
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import statistics
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import torch
 from lib.common import TINY, benchmark_parser, provenance, write_result
 
-from p2p_diloco.config import load_config
+from p2p_diloco.config import SPARSE_DEFAULTS, load_config
 from p2p_diloco.diloco.error_feedback import ErrorFeedback
 from p2p_diloco.diloco.inner import make_inner_optimizer, run_inner_steps
+from p2p_diloco.diloco.merge import sparse_mean
 from p2p_diloco.diloco.outer import OuterOptimizer, assign_parameters_, flatten_parameters
 from p2p_diloco.diloco.quantize import quantizer
 from p2p_diloco.diloco.sparse import topk_sparsify
@@ -30,8 +34,8 @@ from p2p_diloco.train.data import BatchStream, data_seed, evaluate, load_shards
 from p2p_diloco.train.model import build_model
 
 ISLANDS, H, DENSITY = 4, 100, 0.02
-OUTER = {"fp32": (0.7, 0.9), "topk": (1.0, 0.0)}
-"""Each codec's default outer optimizer (lr, Nesterov momentum): p2p_diloco.config and its SPARSE_OUTER."""
+OUTER = {"fp32": (0.7, 0.9), "topk": (SPARSE_DEFAULTS["train.outer_lr"], SPARSE_DEFAULTS["train.outer_momentum"])}
+"""Each codec's default outer optimizer (lr, Nesterov momentum): p2p_diloco.config and its SPARSE_DEFAULTS."""
 
 
 def train(codec: str, rounds: int, seed: int, tiny: bool, eval_batches: int) -> list[float]:
@@ -45,7 +49,7 @@ def train(codec: str, rounds: int, seed: int, tiny: bool, eval_batches: int) -> 
     streams = [
         BatchStream(shards.train_shard(i, ISLANDS), 8, seq_len, seed=data_seed(seed, i, "")) for i in range(ISLANDS)
     ]
-    feedback = [ErrorFeedback() for _ in range(ISLANDS)]
+    feedback = [ErrorFeedback(SPARSE_DEFAULTS["network.error_feedback_decay"]) for _ in range(ISLANDS)]
     wire = quantizer(codec)
     lr, momentum = OUTER[codec]
     outer = OuterOptimizer(flatten_parameters(models[0].parameters()), lr=lr, momentum=momentum)
@@ -61,7 +65,8 @@ def train(codec: str, rounds: int, seed: int, tiny: bool, eval_batches: int) -> 
                 delta = wire.round_trip(topk_sparsify(compensated, DENSITY))
                 residual.update(delta, compensated)
             sent.append(delta)
-        merged = wire.round_trip(torch.stack(sent).mean(dim=0))  # the reducers send the merge back encoded
+        # the reducers' merge (topk: each value over the islands that sent it), sent back encoded
+        merged = wire.round_trip(sparse_mean(sent) if codec == "topk" else torch.stack(sent).mean(dim=0))
         new_anchor = outer.step(merged)
         for model in models:
             assign_parameters_(model.parameters(), new_anchor)
@@ -98,29 +103,60 @@ def plot(curves: dict[str, list[float]], path) -> None:
     plt.close(figure)
 
 
+def _train_job(job: tuple[str, int, int, bool, int]) -> list[float]:
+    """One (codec, rounds, seed, tiny, eval batches) run in a worker process of one thread."""
+    torch.set_num_threads(1)
+    return train(*job)
+
+
+def train_all(rounds: int, seeds: list[int], tiny: bool, workers: int) -> dict[int, dict[str, list[float]]]:
+    """Eval curves of both codecs for every seed, `workers` runs at a time."""
+    jobs = [(codec, rounds, seed, tiny, 2 if tiny else 16) for seed in seeds for codec in OUTER]
+    if workers <= 1:
+        losses = [_train_job(job) for job in jobs]
+    else:
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            losses = list(pool.map(_train_job, jobs))
+    curves: dict[int, dict[str, list[float]]] = {seed: {} for seed in seeds}
+    for (codec, _, seed, _, _), curve in zip(jobs, losses):
+        curves[seed][codec] = curve
+    return curves
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Train both codecs, print and write the curves and how far topk trails."""
+    """Train both codecs over every seed, print and write the curves and how far topk trails."""
     parser = benchmark_parser(__doc__, quick="tiny model, 40 rounds", smoke="tiny model, 3 rounds (used by the tests)")
-    parser.add_argument("--rounds", type=int, help="outer rounds (default 40; --smoke 3)")
-    parser.add_argument("--seed", type=int, default=0, help="model-init and batch-order seed")
+    parser.add_argument("--rounds", type=int, help="outer rounds (default 24; --quick 40, --smoke 3)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="model-init and batch-order seeds (default 0 1 2)")
+    parser.add_argument("--workers", type=int, default=2, help="runs at a time, one thread each (default 2)")
     args = parser.parse_args(argv)
     tiny = args.quick or args.smoke
-    rounds = args.rounds or (3 if args.smoke else 40)
+    rounds = args.rounds or (3 if args.smoke else 40 if args.quick else 24)
+    seeds = args.seeds or ([0] if args.smoke else [0, 1, 2])
     torch.set_num_threads(1)
     started = time.monotonic()
-    curves = {codec: train(codec, rounds, args.seed, tiny, 2 if tiny else 16) for codec in OUTER}
+    by_seed = train_all(rounds, seeds, tiny, args.workers)
+    curves = {
+        codec: [statistics.fmean(c[codec][r] for c in by_seed.values()) for r in range(rounds)] for codec in OUTER
+    }
     behind = rounds_behind(curves["topk"], curves["fp32"])
-    final = {codec: losses[-1] for codec, losses in curves.items()}
+    finals = {codec: [c[codec][-1] for c in by_seed.values()] for codec in OUTER}
+    ratios = [c["topk"][-1] / c["fp32"][-1] for c in by_seed.values()]
     result = {
         "islands": ISLANDS,
         "H": H,
         "topk_density": DENSITY,
+        "topk_outer": {"lr": OUTER["topk"][0], "momentum": OUTER["topk"][1]},
+        "error_feedback_decay": SPARSE_DEFAULTS["network.error_feedback_decay"],
         "rounds": rounds,
-        "seed": args.seed,
+        "seeds": seeds,
         "model": "tiny" if tiny else "default",
         "eval_loss_by_round": curves,
-        "final_eval_loss": final,
-        "topk_over_fp32": final["topk"] / final["fp32"],
+        "eval_loss_by_seed": {str(seed): c for seed, c in by_seed.items()},
+        "final_eval_loss": {codec: statistics.fmean(values) for codec, values in finals.items()},
+        "final_eval_spread": {codec: max(values) - min(values) for codec, values in finals.items()},
+        "topk_over_fp32": statistics.fmean(ratios),
+        "topk_over_fp32_by_seed": ratios,
         "topk_rounds_behind": behind,
         "wall_s": time.monotonic() - started,
         **provenance("sparse_horizon.py", argv),
@@ -128,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     name = "sparse_horizon-smoke" if args.smoke else "sparse_horizon"
     path = write_result(args.out, name, result)
     plot(curves, args.out / f"{name}.png")
-    print(f"topk / fp32 after {rounds} rounds: {result['topk_over_fp32']:.3f}; rounds behind fp32: {behind}")
+    print(f"topk / fp32 after {rounds} rounds, mean of seeds {seeds}: {result['topk_over_fp32']:.3f} {ratios}")
+    print(f"rounds behind fp32: {behind}")
     print(f"wrote {path}")
     return 0
 

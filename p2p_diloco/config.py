@@ -174,8 +174,7 @@ class NetworkConfig:
     state_wait_s: float = 30.0
     """How long a newcomer waits for the swarm's state when the run looks alive but no donor answered yet."""
     wait_for_islands: int = 1
-    """Before its first round, wait (up to state_wait_s) until this many islands of the run, itself included, are
-    announced: islands started together then start training together (experiments, benchmarks)."""
+    """Before its first round, wait (up to state_wait_s) until this many islands of the run (itself too) announce."""
     swarm_public_key: str | None = None
     """A private swarm's owner public key ('ed25519:...', printed by `p2p-diloco keys new`): only members join."""
     membership: str | None = None
@@ -183,8 +182,7 @@ class NetworkConfig:
     revoked: str | None = None
     """An owner-signed revocation list file (`p2p-diloco keys revoke`): those peers are refused."""
     robust_merge: str = "auto"
-    """How each part of the merge resists a bad member: 'clip' (CenteredClip), 'trimmed', 'median' or 'none';
-    'auto' is 'clip' in a public swarm and 'none' in a private one (members are trusted)."""
+    """Per-part defence from bad members: 'clip' (CenteredClip), 'trimmed', 'median', 'none'; 'auto': clip if public."""
     ban_rounds: int = 5
     """Rounds a peer that sent NaN/inf or a lying state is excluded for (0: never ban)."""
     target_group_size: int = 8
@@ -207,6 +205,8 @@ class NetworkConfig:
     """Codec on the wire, the same on every island: fp32, fp16, bf16, int8, int4 (NF4), int2 or topk (sparse)."""
     error_feedback: bool = False
     """Carry each round's quantization residual into the next round's pseudo-gradient; always on with topk."""
+    error_feedback_decay: float = 1.0
+    """The share of the carried residual kept each round, in [0, 1] (codec topk: 0.8 unless set)."""
     topk_density: float = 0.02
     """Codec topk: the fraction of each chunk of 4096 pseudo-gradient values that is sent (the largest)."""
     topk_bits: int = 2
@@ -382,17 +382,17 @@ def _dotted_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
     return [key for keys in nested for key in keys]
 
 
-SPARSE_OUTER = {"outer_lr": 1.0, "outer_momentum": 0.0}
-"""Codec topk's outer optimizer unless set: SGD with lr 1, as SparseLoCo (Nesterov hurt; see the README)."""
+SPARSE_DEFAULTS = {"train.outer_lr": 1.5, "train.outer_momentum": 0.0, "network.error_feedback_decay": 0.8}
+"""Codec topk's defaults unless set: outer SGD at lr 1.5 (the residual already carries past rounds, as momentum
+would) and a residual faded by 0.8 a round, tuned with benchmarks/sparse_horizon.py's training loop."""
 
 
 def apply_codec_defaults(config: PeerConfig, given: set[str]) -> None:
-    """Give codec topk its own outer optimizer defaults where the file and flags left them unset."""
-    if config.network.codec != "topk":
-        return
-    for key, value in SPARSE_OUTER.items():
-        if f"train.{key}" not in given:
-            setattr(config.train, key, value)
+    """Give codec topk its own outer optimizer and error feedback defaults where the file and flags left them unset."""
+    for dotted, value in SPARSE_DEFAULTS.items() if config.network.codec == "topk" else ():
+        if dotted not in given:
+            section, key = dotted.split(".")
+            setattr(getattr(config, section), key, value)
 
 
 def to_dict(config: PeerConfig) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from conftest import LocalSwarm
 
 from p2p_diloco.diloco.error_feedback import ErrorFeedback
+from p2p_diloco.diloco.merge import sparse_mean
 from p2p_diloco.diloco.quantize import CodecMismatchError, quantizer
 from p2p_diloco.diloco.sparse import CHUNK, decode_sparse, encode_sparse, topk_sparsify
 
@@ -61,6 +63,39 @@ def test_contributions_with_different_positions_merge_exactly() -> None:
     assert int(union.sum()) > 2.5 * int((parts[0] != 0).sum())  # their positions really differ
     # 4-bit magnitudes of the merge: its range is wider than one contribution's (weights, overlaps)
     assert float((back - merged).norm() / merged.norm()) < 0.1
+
+
+def test_a_sparse_reducer_averages_each_value_over_the_islands_that_sent_it() -> None:
+    """A value one island chose arrives whole, not divided by the group's size; NaN still poisons its value."""
+    from p2p_diloco.net.reducers import SparsePartReducer, make_reducer
+
+    contributions = [
+        torch.tensor([1.0, 0.0, 2.0, 0.0, 6.0]),
+        torch.tensor([3.0, 4.0, 0.0, 0.0, 0.0]),
+        torch.tensor([0.0, 0.0, 0.0, 0.0, float("nan")]),
+    ]
+    weights = [1.0, 3.0, 2.0]
+
+    async def scenario() -> torch.Tensor:
+        reducer = make_reducer("none", [torch.Size([5])], [math.inf] * 3, None, sparse=True)
+        assert isinstance(reducer, SparsePartReducer)
+        tasks = [
+            reducer.accumulate_part(i, 0, part, weight=w) for i, (part, w) in enumerate(zip(contributions, weights))
+        ]
+        return (await asyncio.gather(*tasks))[0].clone()
+
+    expected = torch.tensor([(1.0 + 9.0) / 4.0, 4.0, 2.0, 0.0, float("nan")])
+    torch.testing.assert_close(asyncio.run(scenario()), expected, equal_nan=True)
+    torch.testing.assert_close(sparse_mean(contributions, weights), expected, equal_nan=True)
+
+
+def test_a_faded_residual_keeps_that_share_of_what_was_left_out() -> None:
+    feedback = ErrorFeedback(decay=0.5)
+    compensated = feedback.compensate(torch.tensor([4.0, 1.0]))
+    feedback.update(torch.tensor([4.0, 0.0]), compensated)
+    torch.testing.assert_close(feedback.compensate(torch.tensor([1.0, 1.0])), torch.tensor([1.0, 1.5]))
+    with pytest.raises(ValueError, match="decay"):
+        ErrorFeedback(decay=1.5)
 
 
 def test_error_feedback_sends_everything_eventually() -> None:
@@ -127,16 +162,20 @@ def test_topk_islands_merge_into_the_same_anchor_with_a_fraction_of_the_bytes(lo
     assert first[-1]["eval_loss"] < first[0]["eval_loss"]
 
 
-def test_topk_defaults_to_outer_sgd_unless_the_outer_optimizer_is_set(tmp_path: Path) -> None:
-    from p2p_diloco.config import load_config
+def test_topk_defaults_to_outer_sgd_and_a_faded_residual_unless_set(tmp_path: Path) -> None:
+    from p2p_diloco.config import SPARSE_DEFAULTS, ConfigError, load_config
 
-    plain = load_config(overrides={"network.codec": "fp32"}).train
-    assert (plain.outer_lr, plain.outer_momentum) == (0.7, 0.9)
-    sparse = load_config(overrides={"network.codec": "topk"}).train
-    assert (sparse.outer_lr, sparse.outer_momentum) == (1.0, 0.0)
+    lr, decay = SPARSE_DEFAULTS["train.outer_lr"], SPARSE_DEFAULTS["network.error_feedback_decay"]
+    plain = load_config(overrides={"network.codec": "fp32"})
+    assert (plain.train.outer_lr, plain.train.outer_momentum, plain.network.error_feedback_decay) == (0.7, 0.9, 1.0)
+    sparse = load_config(overrides={"network.codec": "topk"})
+    assert (sparse.train.outer_lr, sparse.train.outer_momentum, sparse.network.error_feedback_decay) == (lr, 0.0, decay)
     chosen = load_config(overrides={"network.codec": "topk", "train.outer_momentum": 0.5}).train
-    assert (chosen.outer_lr, chosen.outer_momentum) == (1.0, 0.5)
+    assert (chosen.outer_lr, chosen.outer_momentum) == (lr, 0.5)
     config = tmp_path / "peer.toml"
-    config.write_text('[network]\ncodec = "topk"\n[train]\nouter_lr = 0.8\n')
-    from_file = load_config(config).train
-    assert (from_file.outer_lr, from_file.outer_momentum) == (0.8, 0.0)
+    config.write_text('[network]\ncodec = "topk"\nerror_feedback_decay = 1.0\n[train]\nouter_lr = 0.8\n')
+    from_file = load_config(config)
+    assert (from_file.train.outer_lr, from_file.train.outer_momentum) == (0.8, 0.0)
+    assert from_file.network.error_feedback_decay == 1.0
+    with pytest.raises(ConfigError, match="error_feedback_decay"):
+        load_config(overrides={"network.codec": "topk", "network.error_feedback_decay": 2.0})

@@ -175,22 +175,24 @@ def _bandwidth(data: dict, results: dict) -> list[Row]:
         )
     if "topk" in loss and "fp32" in loss:
         over = loss["topk"] / loss["fp32"] - 1
-        horizon = results.get("sparse_horizon", {})
-        why = "2% of each pseudo-gradient per round cannot move the model as far in the 2 rounds measured"
-        if horizon.get("topk_over_fp32"):
-            why += (
-                f"; over {horizon['rounds']} rounds (sparse_horizon.py) topk trails fp32 by "
-                f"{horizon['topk_over_fp32'] - 1:.1%}: each value is sent about {horizon['rounds'] * 0.02:.1f} times "
-                "in the run, so matching fp32 at this scale needs far longer runs (SparseLoCo's runs are thousands "
-                "of rounds) or a higher density"
-            )
+        why = (
+            "2% of each pseudo-gradient per round cannot move the model as far in the 2 rounds measured: every "
+            "value has had at most two chances to be sent; the row below measures more rounds"
+        )
+        out.append(
+            ("topk: final eval vs fp32 (3 seeds, 2 rounds at H=100)", f"{over:+.1%}", "within 1%", over <= 0.01, why)
+        )
+    horizon = results.get("sparse_horizon", {})
+    if horizon.get("topk_over_fp32") and len(horizon.get("seeds", [])) >= 3:
+        over = horizon["topk_over_fp32"] - 1
         out.append(
             (
-                "topk: final eval vs fp32 (3 seeds, 2 rounds at H=100)",
+                f"topk: final eval vs fp32 ({len(horizon['seeds'])} seeds, {horizon['rounds']} rounds at H=100, "
+                "sparse_horizon.py)",
                 f"{over:+.1%}",
                 "within 1%",
-                abs(over) <= 0.01,
-                why,
+                over <= 0.01,
+                "" if over <= 0.01 else "topk still trails after these rounds",
             )
         )
     return out

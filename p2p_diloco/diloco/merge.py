@@ -30,6 +30,25 @@ def weighted_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float
     return total.div_(sum(weights))
 
 
+def contributor_mean(total: torch.Tensor, coverage: torch.Tensor) -> torch.Tensor:
+    """`total / coverage` in place where some weight chose the value, 0 where none did: the merge of top-k
+    contributions. A plain mean would count every island that left a value out as voting 0 for it, shrinking
+    values that few islands chose by up to the group's size (the CCLoco reference optimizer averages the same way).
+    """
+    return total.div_(torch.where(coverage > 0, coverage, torch.ones_like(coverage)))
+
+
+def sparse_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
+    """The weighted mean of each value over the contributions that hold it (non-zero): `contributor_mean`."""
+    weights = [1.0] * len(contributions) if weights is None else [float(w) for w in weights]
+    weighted_mean(contributions, weights)  # the same checks of shapes and weights
+    total, coverage = torch.zeros(contributions[0].shape), torch.zeros(contributions[0].shape)
+    for tensor, weight in zip(contributions, weights):
+        total.add_(tensor.float(), alpha=weight)
+        coverage.add_(tensor != 0, alpha=weight)
+    return contributor_mean(total, coverage)
+
+
 def is_finite(tensor: torch.Tensor) -> bool:
     """True when every value is finite: a NaN or inf update from a peer must never be applied."""
     return bool(torch.isfinite(tensor).all())

@@ -68,8 +68,7 @@ class Island(SwarmViewMixin):
         train, network = config.train, config.network
         self.state = OuterState.for_run(self.trainer.weights(), config, self.fingerprint)
         self.fragments: list[Fragment] = fragment_layout(self.trainer.model, train.fragments, train.fragment_layout)
-        feedback = network.error_feedback or network.codec == "topk"  # topk leaves the most behind: always on
-        self.error_feedback = {f.number: ErrorFeedback() for f in self.fragments} if feedback else None
+        self.error_feedback = ErrorFeedback.per_fragment([f.number for f in self.fragments], network)
         self.grace = GraceWindow.for_network(network)
         self.expected = ExpectedPartners(network.expect_rounds)
         self.staleness_rule = StalenessRule(network.max_staleness, network.staleness_discount)

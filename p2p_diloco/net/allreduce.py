@@ -114,8 +114,9 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         dropped = None
         if on_dropped is not None:
             dropped = lambda index, why: on_dropped(self.sender_peer_ids[index], why)  # noqa: E731
+        sparse = getattr(self.tensor_part_container.compression, "name", None) == "topk"
         self.tensor_part_reducer = make_reducer(
-            robust_merge, tuple(part.shape for part in self.parts_for_local_averaging), caps, dropped
+            robust_merge, tuple(part.shape for part in self.parts_for_local_averaging), caps, dropped, sparse
         )
         self._compression_type = self.tensor_part_container.compression.compression_type
         container = self.tensor_part_container

@@ -3,7 +3,9 @@
 `StrictPartReducer` is the plain weighted mean, accumulated as parts arrive; once a sender fails before it has sent
 every part, its results turn to NaN, so every survivor discards the round. `RobustPartReducer` keeps every
 member's part until all are in, drops non-finite ones (naming their sender) and applies a robust rule
-(`p2p_diloco.diloco.robust`). Both cap each sender's declared weight at what the group's metadata allows.
+(`p2p_diloco.diloco.robust`). `SparsePartReducer` (codec topk) divides each value by the weight of the senders
+that sent it (`p2p_diloco.diloco.merge.contributor_mean`). All cap each sender's declared weight at what the
+group's metadata allows.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.utils import get_logger
 
+from p2p_diloco.diloco.merge import contributor_mean
 from p2p_diloco.diloco.robust import aggregate
 
 logger = get_logger(__name__)
@@ -98,6 +101,23 @@ class StrictPartReducer(TensorPartReducer):
         super().reset_accumulators()
 
 
+class SparsePartReducer(StrictPartReducer):
+    """The weighted mean of top-k contributions over the senders that chose each value, not over all senders."""
+
+    def _add(self, sender_index: int, tensor_part: torch.Tensor, weight: float) -> None:
+        super()._add(sender_index, tensor_part, weight)
+        self.coverage.add_(tensor_part != 0, alpha=weight)  # NaN != 0: poison still reaches the result
+
+    def _result(self) -> torch.Tensor:
+        return contributor_mean(self.accumulator, self.coverage)
+
+    def reset_accumulators(self) -> None:
+        """Empty buffers (sums and each value's contributing weight) for the next part."""
+        super().reset_accumulators()
+        if 0 <= self.current_part_index < self.num_parts and not self.finished.is_set():
+            self.coverage = torch.zeros(self.part_shapes[self.current_part_index])
+
+
 class RobustPartReducer(StrictPartReducer):
     """Keeps every member's part, drops non-finite ones and reduces the rest with a robust rule."""
 
@@ -123,9 +143,13 @@ class RobustPartReducer(StrictPartReducer):
 
 
 def make_reducer(
-    rule: str, part_shapes: Sequence[torch.Size], weight_caps: Sequence[float], on_dropped: Dropped | None
+    rule: str,
+    part_shapes: Sequence[torch.Size],
+    weight_caps: Sequence[float],
+    on_dropped: Dropped | None,
+    sparse: bool = False,
 ) -> StrictPartReducer:
-    """The reducer for a robust-merge rule ('none': the strict weighted mean)."""
+    """The reducer for a robust-merge rule ('none': the strict weighted mean; over contributors when `sparse`)."""
     if rule == "none":
-        return StrictPartReducer(part_shapes, weight_caps, on_dropped)
+        return (SparsePartReducer if sparse else StrictPartReducer)(part_shapes, weight_caps, on_dropped)
     return RobustPartReducer(rule, part_shapes, weight_caps, on_dropped)
