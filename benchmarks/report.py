@@ -186,33 +186,44 @@ def bandwidth(data: dict) -> str:
 
 
 def sparse_horizon(data: dict) -> str:
-    """Eval loss per round of topk against fp32, and how many rounds topk trails."""
+    """Eval loss per round of topk against fp32 (each outer optimizer), and how many rounds topk trails the better."""
     curves, behind = data["eval_loss_by_round"], data["topk_rounds_behind"]
+    reference = data.get("fp32_reference", "fp32")
+    systems = [system for system in ("fp32", "fp32_sgd", "topk") if system in curves]
     rows = [
-        [index + 1, curves["fp32"][index], curves["topk"][index], curves["topk"][index] / curves["fp32"][index], lag]
+        [
+            index + 1,
+            *(curves[system][index] for system in systems),
+            curves["topk"][index] / curves[reference][index],
+            lag,
+        ]
         for index, lag in enumerate(behind)
     ]
     seeds = data.get("seeds", [data.get("seed")])
     finals, spread = data["final_eval_loss"], data.get("final_eval_spread", {})
-    outer = data.get("topk_outer", {})
+    outer = data.get("outer", {})
+    described = "; ".join(f"{system}: lr {o['lr']}, momentum {o['momentum']}" for system, o in outer.items())
     return (
         f"{data['islands']} islands, H = {data['H']}, {data['model']} model, mean of seeds {seeds}, in one process "
-        "with the swarm's codec, error feedback, merge and outer optimizers"
-        + (f" (topk: SGD lr {outer['lr']}, residual faded by {data['error_feedback_decay']} a round)" if outer else "")
+        "with the swarm's codec, error feedback and merge"
+        + (
+            f"; outer optimizers {described}; topk's residual faded by {data['error_feedback_decay']} a round"
+            if outer
+            else ""
+        )
         + ".\n\n"
         + table(
             [
                 "round",
-                "fp32 eval",
-                "topk eval",
-                "topk / fp32",
-                "rounds behind fp32 (negative: ahead; empty: fp32 never this low)",
+                *(f"{system} eval" for system in systems),
+                f"topk / {reference}",
+                f"rounds behind {reference} (negative: ahead; empty: it never got this low)",
             ],
             rows,
         )
-        + f"\n\nFinal eval after {data['rounds']} rounds: fp32 {finals['fp32']:.4f} (spread "
-        f"{spread.get('fp32', 0):.4f}), topk {finals['topk']:.4f} (spread {spread.get('topk', 0):.4f}); topk / fp32 "
-        f"{data['topk_over_fp32']:.3f} on average, by seed "
+        + f"\n\nFinal eval after {data['rounds']} rounds (spread over seeds): "
+        + ", ".join(f"{system} {finals[system]:.4f} ({spread.get(system, 0):.4f})" for system in systems)
+        + f"; topk / {reference} {data['topk_over_fp32']:.3f} on average, by seed "
         + ", ".join(f"{r:.3f}" for r in data.get("topk_over_fp32_by_seed", [data["topk_over_fp32"]]))
         + "."
     )

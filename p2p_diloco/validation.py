@@ -81,6 +81,11 @@ def _validate_codec(config: PeerConfig) -> None:
         raise ConfigError("network.error_feedback (and codec topk, which needs it) does not combine with merge 'rda'")
     if not 0 < network.topk_density <= 1 or network.topk_bits not in (2, 4):
         raise ConfigError("network.topk_density must be in (0, 1] and network.topk_bits 2 or 4")
+    if network.codec == "topk" and network.robust_merge in ("median", "trimmed"):
+        raise ConfigError(
+            f"network.robust_merge '{network.robust_merge}' treats the values few islands chose as outliers and drops "
+            "most of a topk merge: use 'clip' (or 'auto') or 'none' with codec topk"
+        )
     if not 0 <= network.error_feedback_decay <= 1:
         raise ConfigError(f"network.error_feedback_decay={network.error_feedback_decay} must be in [0, 1]")
 

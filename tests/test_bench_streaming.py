@@ -43,7 +43,8 @@ def test_sparse_horizon_benchmark_smoke(tmp_path: Path) -> None:
     assert completed.returncode == 0, completed.stdout[-3000:] + completed.stderr[-3000:]
     result = json.loads((tmp_path / "sparse_horizon-smoke.json").read_text())
     curves = result["eval_loss_by_round"]
-    assert set(curves) == {"fp32", "topk"} and all(len(losses) == 2 for losses in curves.values())
+    assert set(curves) == {"fp32", "fp32_sgd", "topk"} and all(len(losses) == 2 for losses in curves.values())
+    assert result["fp32_reference"] in ("fp32", "fp32_sgd")
     assert result["final_eval_loss"]["fp32"] < result["final_eval_loss"]["topk"]  # 2 rounds of 2% cannot catch up
     assert len(result["topk_rounds_behind"]) == 2
     assert (tmp_path / "sparse_horizon-smoke.png").read_bytes()[:4] == b"\x89PNG"

@@ -89,6 +89,30 @@ def test_a_sparse_reducer_averages_each_value_over_the_islands_that_sent_it() ->
     torch.testing.assert_close(sparse_mean(contributions, weights), expected, equal_nan=True)
 
 
+def test_centered_clip_of_topk_contributions_keeps_the_scale_of_the_values_sent() -> None:
+    """Public swarms merge with CenteredClip: over sparse parts it would shrink values few islands chose, as a plain
+    mean does, unless scaled to their senders; the median keeps counting absent values as zeros."""
+    from p2p_diloco.net.reducers import make_reducer
+
+    shared = gaussian(8192, seed=10)
+    parts = [topk_sparsify(shared + 0.7 * gaussian(8192, seed=20 + i), 0.05) for i in range(4)]
+
+    def merge(rule: str, sparse: bool) -> torch.Tensor:
+        async def scenario() -> torch.Tensor:
+            reducer = make_reducer(rule, [torch.Size([8192])], [math.inf] * 4, None, sparse=sparse)
+            tasks = [reducer.accumulate_part(i, 0, part, weight=1.0) for i, part in enumerate(parts)]
+            return (await asyncio.gather(*tasks))[0].clone()
+
+        return asyncio.run(scenario())
+
+    exact = sparse_mean(parts)
+    scaled, shrunk = merge("clip", sparse=True), merge("clip", sparse=False)
+    assert torch.equal(scaled != 0, exact != 0)
+    assert float((scaled - exact).norm() / exact.norm()) < 0.05
+    assert float((shrunk - exact).norm() / exact.norm()) > 0.4
+    assert torch.equal(merge("median", sparse=True), merge("median", sparse=False))
+
+
 def test_a_faded_residual_keeps_that_share_of_what_was_left_out() -> None:
     feedback = ErrorFeedback(decay=0.5)
     compensated = feedback.compensate(torch.tensor([4.0, 1.0]))
@@ -177,5 +201,7 @@ def test_topk_defaults_to_outer_sgd_and_a_faded_residual_unless_set(tmp_path: Pa
     from_file = load_config(config)
     assert (from_file.train.outer_lr, from_file.train.outer_momentum) == (0.8, 0.0)
     assert from_file.network.error_feedback_decay == 1.0
+    with pytest.raises(ConfigError, match="robust_merge 'median'"):
+        load_config(overrides={"network.codec": "topk", "network.robust_merge": "median"})
     with pytest.raises(ConfigError, match="error_feedback_decay"):
         load_config(overrides={"network.codec": "topk", "network.error_feedback_decay": 2.0})

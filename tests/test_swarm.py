@@ -198,7 +198,15 @@ def test_streaming_swarm_equals_reference_streaming_diloco(local_swarm: LocalSwa
     for peer in peers:
         anchor = load_checkpoint(latest_checkpoint(peer.checkpoint_dir))["anchor"]
         difference = (anchor - expected).abs().max().item()
-        assert difference < 1e-4, f"{peer.name} differs from reference Streaming DiLoCo by {difference}"
+        rounds = [
+            {
+                key: r.get(key)
+                for key in ("outer_step", "fragment", "staleness", "merge_weights", "note", "anchor_digest")
+            }
+            for peers_ in peers
+            for r in peers_.records()
+        ]
+        assert difference < 1e-4, f"{peer.name} differs from reference Streaming DiLoCo by {difference}: {rounds}"
 
 
 def test_late_joiner_starts_from_swarm_anchor(local_swarm: LocalSwarm) -> None:

@@ -187,8 +187,8 @@ def _bandwidth(data: dict, results: dict) -> list[Row]:
         over = horizon["topk_over_fp32"] - 1
         out.append(
             (
-                f"topk: final eval vs fp32 ({len(horizon['seeds'])} seeds, {horizon['rounds']} rounds at H=100, "
-                "sparse_horizon.py)",
+                f"topk: final eval vs {horizon.get('fp32_reference', 'fp32')} ({len(horizon['seeds'])} seeds, "
+                f"{horizon['rounds']} rounds at H=100, sparse_horizon.py)",
                 f"{over:+.1%}",
                 "within 1%",
                 over <= 0.01,

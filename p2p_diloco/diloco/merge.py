@@ -49,6 +49,17 @@ def sparse_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] 
     return contributor_mean(total, coverage)
 
 
+def rescale_to_contributors(
+    merged: torch.Tensor, contributions: Sequence[torch.Tensor], weights: Sequence[float]
+) -> torch.Tensor:
+    """A merge over all contributions (zeros included, e.g. a robust rule's) scaled, value by value, from their total
+    weight to the weight of those that hold the value: the plain mean becomes exactly `contributor_mean`."""
+    coverage = torch.zeros_like(merged)
+    for tensor, weight in zip(contributions, weights):
+        coverage.add_(tensor.reshape(-1) != 0, alpha=float(weight))
+    return contributor_mean(merged.mul(float(sum(weights))), coverage)
+
+
 def is_finite(tensor: torch.Tensor) -> bool:
     """True when every value is finite: a NaN or inf update from a peer must never be applied."""
     return bool(torch.isfinite(tensor).all())

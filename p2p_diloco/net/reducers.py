@@ -17,7 +17,7 @@ import torch
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 from hivemind.utils import get_logger
 
-from p2p_diloco.diloco.merge import contributor_mean
+from p2p_diloco.diloco.merge import contributor_mean, rescale_to_contributors
 from p2p_diloco.diloco.robust import aggregate
 
 logger = get_logger(__name__)
@@ -119,10 +119,15 @@ class SparsePartReducer(StrictPartReducer):
 
 
 class RobustPartReducer(StrictPartReducer):
-    """Keeps every member's part, drops non-finite ones and reduces the rest with a robust rule."""
+    """Keeps every member's part, drops non-finite ones and reduces the rest with a robust rule.
 
-    def __init__(self, rule: str, part_shapes, weight_caps, on_dropped):
-        self.rule = rule
+    With `sparse` (codec topk) and CenteredClip, whose result is a (clipped) weighted mean, each value is then scaled
+    from all members' weight to the weight of those that sent it, as `SparsePartReducer` does for the plain mean.
+    The coordinate-wise median and trimmed mean are left as they are: a value most members left out is an outlier to
+    them, and scaling an order statistic would not make it one over the senders."""
+
+    def __init__(self, rule: str, part_shapes, weight_caps, on_dropped, sparse: bool = False):
+        self.rule, self.sparse = rule, sparse
         super().__init__(part_shapes, weight_caps, on_dropped)
 
     def _add(self, sender_index: int, tensor_part: torch.Tensor, weight: float) -> None:
@@ -135,6 +140,9 @@ class RobustPartReducer(StrictPartReducer):
         value, dropped = aggregate(
             self.rule, [part for _, part, _ in self.contributions], [w for _, _, w in self.contributions], flagged
         )
+        if self.sparse and self.rule == "clip":
+            kept = [(part, w) for i, (_, part, w) in enumerate(self.contributions) if i not in dropped and w > 0]
+            value = rescale_to_contributors(value.view(-1), [part for part, _ in kept], [w for _, w in kept])
         flagged.update({index: "NaN or inf in its pseudo-gradient" for index in dropped})
         if self.on_dropped is not None and (self.current_part_index == 0 or dropped):
             for index, why in flagged.items():
@@ -149,7 +157,7 @@ def make_reducer(
     on_dropped: Dropped | None,
     sparse: bool = False,
 ) -> StrictPartReducer:
-    """The reducer for a robust-merge rule ('none': the strict weighted mean; over contributors when `sparse`)."""
+    """The reducer for a robust-merge rule ('none': the strict weighted mean), over each value's senders if `sparse`."""
     if rule == "none":
         return (SparsePartReducer if sparse else StrictPartReducer)(part_shapes, weight_caps, on_dropped)
-    return RobustPartReducer(rule, part_shapes, weight_caps, on_dropped)
+    return RobustPartReducer(rule, part_shapes, weight_caps, on_dropped, sparse)
