@@ -28,7 +28,7 @@ bench: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py
 	$(BIN)/python benchmarks/report.py
 
-# bench, plus the attack table and the top-k horizon (about 19 minutes more).
+# bench, plus the attack table and the top-k horizon (about 24 minutes more).
 bench-all: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py --all
 	$(BIN)/python benchmarks/report.py

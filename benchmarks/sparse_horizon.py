@@ -7,7 +7,7 @@ format both ways, `ErrorFeedback`, the reducer re-encoding the merge, the outer 
 to: fp32 Nesterov 0.7 / 0.9, topk plain SGD with a faded residual: `SPARSE_DEFAULTS`) and a quorum-4 merge (topk:
 each value over the islands that sent it, as `SparsePartReducer`), so that no network time is spent.
 
-    python benchmarks/sparse_horizon.py           # default model, 24 rounds, seeds 0 1 2, 2 at a time (~10 min)
+    python benchmarks/sparse_horizon.py           # default model, 24 rounds, seeds 0 1 2, 2 at a time (~13 min)
     python benchmarks/sparse_horizon.py --quick   # tiny model, 40 rounds, seeds 0 1 2
     python benchmarks/sparse_horizon.py --smoke   # tiny model, 3 rounds, seed 0 (used by the tests)
 """

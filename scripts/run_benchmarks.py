@@ -20,7 +20,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 SKIPPED = {"report.py"}
 ON_REQUEST = {"attacks.py", "sparse_horizon.py"}
 """Run only with --all or --only: the attack table (23 swarms, about 11 minutes) measures defences, not speed or
-quality, and changes only when they do; the top-k horizon (about 8 minutes) changes only with the codec.
+quality, and changes only when they do; the top-k horizon (about 13 minutes) changes only with the codec.
 BENCHMARKS.md keeps showing their last run, dated."""
 
 

@@ -201,10 +201,10 @@ def test_streaming_swarm_equals_reference_streaming_diloco(local_swarm: LocalSwa
         rounds = [
             {
                 key: r.get(key)
-                for key in ("outer_step", "fragment", "staleness", "merge_weights", "note", "anchor_digest")
+                for key in ("outer_step", "fragment", "staleness", "merge_weights", "resynced", "note", "anchor_digest")
             }
-            for peers_ in peers
-            for r in peers_.records()
+            for island in peers
+            for r in island.records()
         ]
         assert difference < 1e-4, f"{peer.name} differs from reference Streaming DiLoCo by {difference}: {rounds}"
 
