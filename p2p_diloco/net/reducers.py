@@ -102,7 +102,10 @@ class StrictPartReducer(TensorPartReducer):
 
 
 class SparsePartReducer(StrictPartReducer):
-    """The weighted mean of top-k contributions over the senders that chose each value, not over all senders."""
+    """The weighted mean of top-k contributions over the senders that chose each value, not over all senders.
+
+    So a value that only a discounted (stale) island sent arrives whole: its discount weighs it only where others
+    sent the value too. A sender of weight 0 (banned, too stale) still adds nothing anywhere."""
 
     def _add(self, sender_index: int, tensor_part: torch.Tensor, weight: float) -> None:
         super()._add(sender_index, tensor_part, weight)
