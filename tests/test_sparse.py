@@ -66,7 +66,8 @@ def test_contributions_with_different_positions_merge_exactly() -> None:
 
 
 def test_a_sparse_reducer_averages_each_value_over_the_islands_that_sent_it() -> None:
-    """A value one island chose arrives whole, not divided by the group's size; NaN still poisons its value."""
+    """A value the heaviest island chose alone arrives whole, not divided by the group's size; one a lighter island
+    chose alone keeps its weight relative to the heaviest (a stale island's discount); NaN still poisons."""
     from p2p_diloco.net.reducers import SparsePartReducer, make_reducer
 
     contributions = [
@@ -84,7 +85,7 @@ def test_a_sparse_reducer_averages_each_value_over_the_islands_that_sent_it() ->
         ]
         return (await asyncio.gather(*tasks))[0].clone()
 
-    expected = torch.tensor([(1.0 + 9.0) / 4.0, 4.0, 2.0, 0.0, float("nan")])
+    expected = torch.tensor([(1.0 + 9.0) / 4.0, 4.0, 2.0 / 3.0, 0.0, float("nan")])
     torch.testing.assert_close(asyncio.run(scenario()), expected, equal_nan=True)
     torch.testing.assert_close(sparse_mean(contributions, weights), expected, equal_nan=True)
 

@@ -30,12 +30,12 @@ def weighted_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float
     return total.div_(sum(weights))
 
 
-def contributor_mean(total: torch.Tensor, coverage: torch.Tensor) -> torch.Tensor:
-    """`total / coverage` in place where some weight chose the value, 0 where none did: the merge of top-k
-    contributions. A plain mean would count every island that left a value out as voting 0 for it, shrinking
-    values that few islands chose by up to the group's size (the CCLoco reference optimizer averages the same way).
-    """
-    return total.div_(torch.where(coverage > 0, coverage, torch.ones_like(coverage)))
+def contributor_mean(total: torch.Tensor, coverage: torch.Tensor, heaviest: float | None = None) -> torch.Tensor:
+    """`total / coverage` in place, the merge of top-k contributions: each value averaged over the weight that sent
+    it, where a plain mean would count every island that left it out as voting 0 and shrink values few islands
+    chose by up to the group's size (the CCLoco reference optimizer averages the same way). The divisor is at least
+    `heaviest` (the largest sender weight), so a value only a discounted island sent keeps its discount."""
+    return total.div_(coverage.clamp(min=heaviest if heaviest else torch.finfo(coverage.dtype).tiny))
 
 
 def sparse_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
@@ -46,7 +46,7 @@ def sparse_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] 
     for tensor, weight in zip(contributions, weights):
         total.add_(tensor.float(), alpha=weight)
         coverage.add_(tensor != 0, alpha=weight)
-    return contributor_mean(total, coverage)
+    return contributor_mean(total, coverage, max(weights))
 
 
 def rescale_to_contributors(
@@ -57,7 +57,7 @@ def rescale_to_contributors(
     coverage = torch.zeros_like(merged)
     for tensor, weight in zip(contributions, weights):
         coverage.add_(tensor.reshape(-1) != 0, alpha=float(weight))
-    return contributor_mean(merged.mul(float(sum(weights))), coverage)
+    return contributor_mean(merged.mul(float(sum(weights))), coverage, max(map(float, weights), default=0.0))
 
 
 def is_finite(tensor: torch.Tensor) -> bool:

@@ -104,21 +104,22 @@ class StrictPartReducer(TensorPartReducer):
 class SparsePartReducer(StrictPartReducer):
     """The weighted mean of top-k contributions over the senders that chose each value, not over all senders.
 
-    So a value that only a discounted (stale) island sent arrives whole: its discount weighs it only where others
-    sent the value too. A sender of weight 0 (banned, too stale) still adds nothing anywhere."""
+    The divisor is never below the heaviest sender's weight, so a value that only a discounted (stale) island sent
+    keeps that island's discount; a sender of weight 0 (banned, too stale) adds nothing anywhere."""
 
     def _add(self, sender_index: int, tensor_part: torch.Tensor, weight: float) -> None:
         super()._add(sender_index, tensor_part, weight)
         self.coverage.add_(tensor_part != 0, alpha=weight)  # NaN != 0: poison still reaches the result
+        self.heaviest = max(self.heaviest, weight)
 
     def _result(self) -> torch.Tensor:
-        return contributor_mean(self.accumulator, self.coverage)
+        return contributor_mean(self.accumulator, self.coverage, self.heaviest)
 
     def reset_accumulators(self) -> None:
         """Empty buffers (sums and each value's contributing weight) for the next part."""
         super().reset_accumulators()
         if 0 <= self.current_part_index < self.num_parts and not self.finished.is_set():
-            self.coverage = torch.zeros(self.part_shapes[self.current_part_index])
+            self.coverage, self.heaviest = torch.zeros(self.part_shapes[self.current_part_index]), 0.0
 
 
 class RobustPartReducer(StrictPartReducer):
