@@ -41,19 +41,15 @@ def contributor_mean(total: torch.Tensor, coverage: torch.Tensor, heaviest: floa
 def sparse_mean(contributions: Sequence[torch.Tensor], weights: Sequence[float] | None = None) -> torch.Tensor:
     """The weighted mean of each value over the contributions that hold it (non-zero): `contributor_mean`."""
     weights = [1.0] * len(contributions) if weights is None else [float(w) for w in weights]
-    weighted_mean(contributions, weights)  # the same checks of shapes and weights
-    total, coverage = torch.zeros(contributions[0].shape), torch.zeros(contributions[0].shape)
-    for tensor, weight in zip(contributions, weights):
-        total.add_(tensor.float(), alpha=weight)
-        coverage.add_(tensor != 0, alpha=weight)
-    return contributor_mean(total, coverage, max(weights))
+    merged = rescale_to_contributors(weighted_mean(contributions, weights).view(-1), contributions, weights)
+    return merged.view_as(contributions[0])
 
 
 def rescale_to_contributors(
     merged: torch.Tensor, contributions: Sequence[torch.Tensor], weights: Sequence[float]
 ) -> torch.Tensor:
     """A merge over all contributions (zeros included, e.g. a robust rule's) scaled, value by value, from their total
-    weight to the weight of those that hold the value: the plain mean becomes exactly `contributor_mean`."""
+    weight to the weight of those that hold the value: the plain mean becomes `contributor_mean` (flat tensors)."""
     coverage = torch.zeros_like(merged)
     for tensor, weight in zip(contributions, weights):
         coverage.add_(tensor.reshape(-1) != 0, alpha=float(weight))
