@@ -14,8 +14,10 @@ per step (P parameters, fp32), so
 `transport_ratio_vs_data_parallel` counts TCP bytes instead of payload bytes, and `tcp_over_payload` is TCP
 bytes over payload bytes (framing, encryption, DHT and matchmaking chatter on top of the payload).
 
-    python benchmarks/bandwidth.py           # H = 100 x 7 codecs (3 seeds: fp32 int2 topk), H = 50 x 3, topk on a
-                                             # 4x wider model (`tcp_over_payload_steady_wide`) (11 min)
+    python benchmarks/bandwidth.py           # H = 100 x 5 codecs (3 seeds: fp32 int2 topk), topk on a 4x wider
+                                             # model (`tcp_over_payload_steady_wide`) (7 min); fp16, bf16 and
+                                             # H = 50 carried over from the last --extended result, dated
+    python benchmarks/bandwidth.py --extended  # and fp16, bf16, H = 50 x 3 (make bench-all; 10 min)
     python benchmarks/bandwidth.py --quick   # H = 100 only, tiny model, 1 seed, fp32 int8 int4 topk
     python benchmarks/bandwidth.py --smoke   # fp32, int8 and topk, 2 islands, tiny model (used by the tests)
 """
@@ -253,6 +255,33 @@ def chatter_fit(rows: list[dict]) -> dict | None:
 
 
 SHORTER_H_CODECS = ("fp32", "int4", "topk")
+EXTENDED_CODECS = ("fp16", "bf16")
+EXTENDED_H = (50,)
+"""Rows only --extended runs (make bench-all): the half-precision codecs' bytes are exactly half of fp32's and
+their loss matched it, and H = 50 shows the trend; a plain full run carries them over from the last result."""
+
+
+def extended_only(row: dict) -> bool:
+    """Whether a row is one only --extended runs."""
+    return row["codec"] in EXTENDED_CODECS or row["H"] in EXTENDED_H
+
+
+def row_key(row: dict) -> tuple:
+    """What tells two rows of the grid apart."""
+    return row["codec"], row["H"], row.get("seed", 0), row.get("wide", False)
+
+
+def carry_over(rows: list[dict], earlier: dict) -> tuple[list[dict], dict[str, str]]:
+    """The extended rows of the `earlier` result that `rows` lack, added; and when each was measured, by codec@H."""
+    ran = {row_key(row) for row in rows}
+    carried = [row for row in earlier.get("rows", []) if extended_only(row) and row_key(row) not in ran]
+    dates = earlier.get("carried_over", {})
+    when = {
+        f"{row['codec']}@H{row['H']}": dates.get(f"{row['codec']}@H{row['H']}", earlier.get("date")) for row in carried
+    }
+    return carried + rows, when
+
+
 """The codecs that also run at the shorter H (the others only at the largest: there they add little)."""
 
 
@@ -300,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         quick="tiny model, H = 100 only, fp32 int8 int4 topk",
         smoke="fp32, int8 and topk, 2 islands, tiny model, H = 10",
         out="where the JSON and PNG go",
+        extended="also fp16, bf16 and H = 50 (else carried over from the last result, dated)",
     )
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per swarm before it is stopped")
     parser.add_argument("--seeds", type=int, help="seeds at the largest H (default 3; 1 with --quick or --smoke)")
@@ -335,13 +365,17 @@ def main(argv: list[str] | None = None) -> int:
     runs = args.out / "bandwidth-runs"
     name = "bandwidth-smoke" if args.smoke else "bandwidth"
     previous = args.out / f"{name}.json"
-    args.previous_rows = json.loads(previous.read_text())["rows"] if previous.exists() else []
+    earlier = json.loads(previous.read_text()) if previous.exists() else {}
+    args.previous_rows = earlier.get("rows", [])
+    skip_extended = not (args.extended or args.quick or args.smoke or args.codecs or args.rescan)
     rows = [
         (rescan_one if args.rescan else run_one)(codec, h, steps, args, runs, seed)
         for h, steps in grid.items()
         for seed in range(seeds if h == max(grid) else 1)
         for codec in codecs
-        if (seed == 0 or codec in args.seeded_codecs) and (h == max(grid) or codec in SHORTER_H_CODECS)
+        if (seed == 0 or codec in args.seeded_codecs)
+        and (h == max(grid) or codec in SHORTER_H_CODECS)
+        and not (skip_extended and extended_only({"codec": codec, "H": h}))
     ]
     if not (args.quick or args.smoke):  # the wider model, at the largest H, seed 0
         target_h = max(grid)
@@ -352,6 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         ]
     if args.codecs and not args.rescan:  # a partial rerun: the other codecs keep their rows
         rows = [row for row in args.previous_rows if row["codec"] not in codecs] + rows
+    carried: dict[str, str] = {}
+    if skip_extended:
+        rows, carried = carry_over(rows, earlier)
     result = {
         **summarise(rows, grid),
         "targets": {
@@ -365,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "notes": NOTES,
         **provenance("bandwidth.py", argv),
+        **({"carried_over": carried} if carried else {}),
     }
     if args.rescan and previous.exists():  # the figures come from the earlier runs: keep their command and date
         earlier = json.loads(previous.read_text())

@@ -9,7 +9,8 @@ island exited with an error it should have survived. Each island runs under a CP
 islands (`--island-cpus`, `lib/cpu_quota.py`), as on a machine of its own: without one, a dead island's CPU sped the
 others up and a restarting island's imports slowed them down.
 
-    python benchmarks/chaos.py            # 5 islands, 90 s per run, 8 runs (about 15 minutes)
+    python benchmarks/chaos.py            # 5 islands, 90 s per run, 6 runs (about 11 minutes)
+    python benchmarks/chaos.py --extended # and the standby mode's 2 runs (make bench-all; about 14 minutes)
     python benchmarks/chaos.py --quick    # 3 islands, 30 s per run
     python benchmarks/chaos.py --smoke    # 3 islands, tiny model, short runs (used by the tests)
 """
@@ -17,6 +18,7 @@ others up and a restarting island's imports slowed them down.
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import random
 import shutil
@@ -32,6 +34,10 @@ from lib.cpu_quota import CpuQuotas
 from p2p_diloco.cli.launcher import LocalSwarm, PeerProcess
 
 MODES = {"decoupled": [], "synchronous": ["--quorum", "{n}", "--averaging-timeout", "60"], "standby": []}
+EXTENDED_MODES = {"standby"}
+"""Run only with --extended (make bench-all) or --smoke; a plain run carries their figures over from the last
+result of the same schedule, dated: standby changes only with the takeover code, and its two runs are a quarter of
+the time."""
 # standby: the decoupled mode with a standby per island (`--standby true`, under the island's CPU quota) that takes
 # over at a kill; the scheduled restart starts the next standby. Standbys train until the harness stops every island
 # at the budget's end (SIGTERM), and only rounds recorded by then count.
@@ -298,7 +304,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = result["runs"]
-    labels = [f"{r['mode']}\n{'faults' if r['faults'] else 'no faults'}" for r in runs]
+    carried = result.get("carried_over", {})
+    labels = [
+        f"{r['mode']}\n{'faults' if r['faults'] else 'no faults'}"
+        + (f"\n({carried[r['mode']][:10]})" if r["mode"] in carried else "")
+        for r in runs
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     axes[0].bar(range(len(runs)), [r["goodput_tokens_per_s"] for r in runs], color="tab:green")
     axes[0].set_title("goodput (useful tokens/s, all islands)")
@@ -313,12 +324,20 @@ def plot(result: dict, path: Path) -> None:
 
 
 def run_all(
-    schedule: Schedule, islands: int, budget: float, *, smoke: bool, out: Path, quotas: CpuQuotas, pairs: int = 1
+    schedule: Schedule,
+    islands: int,
+    budget: float,
+    *,
+    smoke: bool,
+    out: Path,
+    quotas: CpuQuotas,
+    pairs: int = 1,
+    modes: tuple[str, ...] = tuple(MODES),
 ) -> list[dict]:
     """Every mode, each without and with the fault schedule; the decoupled mode's pair `pairs` times (a clean run's
     tokens alone moved 7% between two runs on this shared machine, the goodput with it)."""
     runs = []
-    for mode in MODES:
+    for mode in modes:
         for pair, faults in itertools.product(range(pairs if mode == "decoupled" else 1), (False, True)):
             label = f"{mode}-{'faults' if faults else 'clean'}" + (f"-{pair}" if pair else "")
             print(f"== {label}: {islands} islands, {budget:.0f}s", flush=True)
@@ -373,26 +392,59 @@ def summarise(runs: list[dict], islands: int, budget: float) -> dict:
     """Per mode: goodput with faults relative to without (the mean over pairs of runs), and the first faulty run's
     figures."""
     by = {(r["mode"], r["faults"]): r for r in runs if not r.get("pair")}
-    per_pair = {mode: pair_goodputs(runs, mode) for mode in MODES}
+    modes = list(dict.fromkeys(r["mode"] for r in runs))
+    per_pair = {mode: pair_goodputs(runs, mode) for mode in modes}
     goodput = {mode: statistics.mean(values) for mode, values in per_pair.items()}
     return {
         "goodput_breakdown": {
-            mode: goodput_breakdown(by[(mode, True)], goodput[mode], islands, budget) for mode in MODES
+            mode: goodput_breakdown(by[(mode, True)], goodput[mode], islands, budget) for mode in modes
         },
-        "restart_breakdown_mean_s": {mode: mean_restart(by[(mode, True)]["restart_breakdown"]) for mode in MODES},
+        "restart_breakdown_mean_s": {mode: mean_restart(by[(mode, True)]["restart_breakdown"]) for mode in modes},
         "goodput": goodput,
         "goodput_pairs": per_pair,
-        "final_eval_loss": {mode: by[(mode, True)]["final_eval_loss"] for mode in MODES},
-        "restart_to_first_merge_s": {mode: by[(mode, True)]["restart_to_first_merge_s"] for mode in MODES},
-        "restarts_killed_before_merging": {mode: by[(mode, True)]["restarts_killed_before_merging"] for mode in MODES},
-        "unexpected_errors": {mode: by[(mode, True)]["errors"] + by[(mode, False)]["errors"] for mode in MODES},
+        "final_eval_loss": {mode: by[(mode, True)]["final_eval_loss"] for mode in modes},
+        "restart_to_first_merge_s": {mode: by[(mode, True)]["restart_to_first_merge_s"] for mode in modes},
+        "restarts_killed_before_merging": {mode: by[(mode, True)]["restarts_killed_before_merging"] for mode in modes},
+        "unexpected_errors": {mode: by[(mode, True)]["errors"] + by[(mode, False)]["errors"] for mode in modes},
     }
 
 
+CARRIED_KEYS = (
+    "goodput_breakdown",
+    "restart_breakdown_mean_s",
+    "goodput",
+    "goodput_pairs",
+    "final_eval_loss",
+    "restart_to_first_merge_s",
+    "restarts_killed_before_merging",
+    "unexpected_errors",
+)
+
+
+def carry_over(result: dict, previous: Path, skipped: list[str]) -> dict:
+    """The `skipped` modes' figures and runs from the `previous` result when it ran the same schedule on as many
+    islands, each mode dated in `carried_over`; the result unchanged otherwise."""
+    if not skipped or not previous.exists():
+        return result
+    old = json.loads(previous.read_text())
+    same = json.loads(json.dumps([result["schedule"], result["islands"], result["budget_s"]]))
+    if [old.get("schedule"), old.get("islands"), old.get("budget_s")] != same:
+        return result
+    found = [mode for mode in skipped if mode in old.get("goodput", {})]
+    carried = {mode: old.get("carried_over", {}).get(mode, old.get("date")) for mode in found}
+    for key in CARRIED_KEYS:
+        result[key] = {**result[key], **{mode: old[key][mode] for mode in found if mode in old.get(key, {})}}
+    result["runs"] = result["runs"] + [run for run in old.get("runs", []) if run["mode"] in found]
+    return {**result, "carried_over": carried} if carried else result
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Run both modes with and without the fault schedule; write chaos.json and chaos.png."""
+    """Run the modes with and without the fault schedule; write chaos.json and chaos.png."""
     parser = benchmark_parser(
-        __doc__, quick="3 islands, 30 s per run", smoke="3 islands, tiny model, short runs (used by the tests)"
+        __doc__,
+        quick="3 islands, 30 s per run",
+        smoke="3 islands, tiny model, short runs (used by the tests)",
+        extended="also the standby mode (else its figures are carried over from the last result, dated)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -411,7 +463,8 @@ def main(argv: list[str] | None = None) -> int:
     cpus = (os.cpu_count() or 1) / islands if args.island_cpus is None else args.island_cpus
     quotas = CpuQuotas("p2p-chaos", cpus)
     print(f"CPU per island: {cpus:.2f} cores, {quotas.mode}", flush=True)
-    runs = run_all(schedule, islands, budget, smoke=args.smoke, out=args.out, quotas=quotas, pairs=pairs)
+    modes = tuple(mode for mode in MODES if args.extended or args.smoke or mode not in EXTENDED_MODES)
+    runs = run_all(schedule, islands, budget, smoke=args.smoke, out=args.out, quotas=quotas, pairs=pairs, modes=modes)
     result = {
         **provenance("chaos.py", argv),
         "islands": islands,
@@ -423,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         "runs": runs,
     }
     name = "chaos-smoke" if args.smoke else "chaos"
+    result = carry_over(result, args.out / f"{name}.json", [mode for mode in MODES if mode not in modes])
     path = write_result(args.out, name, result)
     plot(result, args.out / f"{name}.png")
     print(f"goodput relative to no faults: {result['goodput']}")

@@ -182,6 +182,12 @@ def bandwidth(data: dict) -> str:
             f"state is {wide['tcp_over_payload_steady']:.2f}: {wide['payload_bytes_per_round'] / 1000:.1f} KB of "
             f"payload and {wide['chatter_bytes_per_round'] / 1000:.1f} KB of chatter per island and round."
         )
+    if carried := data.get("carried_over"):
+        dates = sorted({date[:10] for date in carried.values() if date})
+        note += (
+            f"\n\n{', '.join(carried)}: carried over from `make bench-all`'s last run ({', '.join(dates)}); "
+            "`make bench` skips them."
+        )
     return (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + table(header, rows) + note
 
 

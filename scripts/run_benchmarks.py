@@ -21,7 +21,9 @@ SKIPPED = {"report.py"}
 ON_REQUEST = {"attacks.py", "sparse_horizon.py"}
 """Run only with --all or --only: the attack table (23 swarms, about 11 minutes) measures defences, not speed or
 quality, and changes only when they do; the top-k horizon (about 13 minutes) changes only with the codec.
-BENCHMARKS.md keeps showing their last run, dated."""
+BENCHMARKS.md keeps showing their last run, dated. --all also passes --extended to every script: the chaos
+benchmark's standby mode and the bandwidth benchmark's fp16, bf16 and H = 50 rows (about 6 minutes), which a plain
+run carries over from the last extended run, marked with its date."""
 
 
 def scripts(only: list[str] | None, everything: bool = False) -> list[Path]:
@@ -36,9 +38,10 @@ def scripts(only: list[str] | None, everything: bool = False) -> list[Path]:
     return [path for path in found if path.stem in wanted]
 
 
-def run(script: Path, quick: bool, out: Path | None) -> tuple[float, int]:
+def run(script: Path, quick: bool, out: Path | None, extended: bool = False) -> tuple[float, int]:
     """One benchmark as its own process; its wall time and exit code."""
     command = [sys.executable, str(script), *(["--quick"] if quick else []), *(["--out", str(out)] if out else [])]
+    command += ["--extended"] if extended else []
     started = time.monotonic()
     rc = subprocess.call(command)
     return time.monotonic() - started, rc
@@ -49,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="each script's --quick mode")
     parser.add_argument("--out", type=Path, default=None, help="result folder (default: benchmarks/results)")
-    parser.add_argument("--all", action="store_true", help=f"also {', '.join(sorted(ON_REQUEST))} (make bench-all)")
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help=f"also {', '.join(sorted(ON_REQUEST))}, and every script --extended (make bench-all)",
+    )
     parser.add_argument("--only", nargs="+", default=None, help="run only these benchmarks (names without .py)")
     args = parser.parse_args(argv)
     todo = scripts(args.only, args.all)
@@ -57,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     for number, script in enumerate(todo, 1):
         print(f"[{number}/{len(todo)}] {script.name} ...", flush=True)
-        seconds, rc = run(script, args.quick, args.out)
+        seconds, rc = run(script, args.quick, args.out, args.all and not args.quick)
         times.append({"script": script.name, "seconds": round(seconds, 1), "rc": rc})
         print(f"[{number}/{len(todo)}] {script.name}: {seconds:.0f} s (total {time.monotonic() - started:.0f} s)")
         if rc != 0:
@@ -66,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = args.out or BENCHMARKS / "results"
     folder.mkdir(parents=True, exist_ok=True)
     record = {
-        "mode": "quick" if args.quick else "full",
+        "mode": "quick" if args.quick else "all" if args.all else "full",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "total_s": round(total, 1),
         "scripts": times,

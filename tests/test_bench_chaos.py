@@ -82,3 +82,27 @@ def test_a_restart_killed_before_merging_has_no_breakdown() -> None:
     faults = Faults(kills=2, kill_times=[(3, 30.0), (3, 60.0)], restarts=[(3, 40.0), (3, 110.0)])
     [only] = restart_breakdown(records, faults)
     assert only["total_s"] == 20.0 and only["first_round_s"] == 12.0
+
+
+def test_a_plain_run_carries_the_standby_figures_over_dated_and_only_from_the_same_schedule(tmp_path: Path) -> None:
+    from chaos import CARRIED_KEYS, carry_over
+
+    schedule = {"seed": 0, "events": [[30.0, "kill", 3]]}
+    figures = {key: {"standby": f"{key} of standby"} for key in CARRIED_KEYS}
+    old = {"date": "2026-12-05T04:04:39", "schedule": schedule, "islands": 5, "budget_s": 90.0, **figures}
+    old["runs"] = [{"mode": "standby", "faults": True}, {"mode": "decoupled", "faults": True}]
+    previous = tmp_path / "chaos.json"
+    previous.write_text(json.dumps(old))
+    new = {key: {"decoupled": 1.0} for key in CARRIED_KEYS}
+    new.update(schedule={"seed": 0, "events": [(30.0, "kill", 3)]}, islands=5, budget_s=90.0)
+    new["runs"] = [{"mode": "decoupled", "faults": False}]
+    merged = carry_over(dict(new), previous, ["standby"])
+    assert merged["carried_over"] == {"standby": "2026-12-05T04:04:39"}
+    assert merged["goodput"] == {"decoupled": 1.0, "standby": "goodput of standby"}
+    assert [run["mode"] for run in merged["runs"]] == ["decoupled", "standby"]
+    # Carried twice, the figures keep the date they were measured on.
+    previous.write_text(json.dumps({**merged, "date": "2026-12-06T00:00:00"}))
+    assert carry_over(dict(new), previous, ["standby"])["carried_over"] == {"standby": "2026-12-05T04:04:39"}
+    # Another schedule, or nothing skipped: nothing is carried.
+    assert "carried_over" not in carry_over({**new, "islands": 3}, previous, ["standby"])
+    assert "carried_over" not in carry_over(dict(new), previous, [])

@@ -83,3 +83,31 @@ def test_bandwidth_keeps_the_wider_model_out_of_the_codec_means() -> None:
     assert result["tcp_over_payload_steady"] == {"fp32": 1.1, "topk": 2.0}
     assert result["tcp_over_payload_steady_wide"]["topk"]["tcp_over_payload_steady"] == 1.3
     assert result["tcp_over_payload_steady_wide"]["topk"]["parameters"] == 4
+
+
+def test_a_plain_bandwidth_run_carries_the_extended_rows_over_with_their_dates() -> None:
+    from bandwidth import carry_over
+
+    def row(codec: str, h: int, seed: int = 0) -> dict:
+        return {"codec": codec, "H": h, "seed": seed, "wide": False}
+
+    earlier = {
+        "date": "2026-12-05T09:44:52",
+        "carried_over": {"fp16@H100": "2026-12-03T10:00:00"},
+        "rows": [row("fp16", 100), row("bf16", 100), row("fp32", 50), row("fp32", 100), row("int2", 100, 1)],
+    }
+    rows, when = carry_over([row("fp32", 100), row("topk", 100)], earlier)
+    # Only extended rows come over (the old fp32 and int2 rows of the plain grid do not), each with its own date.
+    assert sorted((r["codec"], r["H"]) for r in rows) == [
+        ("bf16", 100),
+        ("fp16", 100),
+        ("fp32", 50),
+        ("fp32", 100),
+        ("topk", 100),
+    ]
+    assert when == {
+        "fp16@H100": "2026-12-03T10:00:00",
+        "bf16@H100": "2026-12-05T09:44:52",
+        "fp32@H50": "2026-12-05T09:44:52",
+    }
+    assert carry_over([row("fp16", 100)], {"rows": [row("fp16", 100)]}) == ([row("fp16", 100)], {})

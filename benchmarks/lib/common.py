@@ -23,10 +23,17 @@ def benchmark_parser(
     quick: str | None = None,
     smoke: str | None = "tiny model, a few steps (used by the tests)",
     out: str = "folder for the JSON, the PNG and run logs",
+    extended: str | None = None,
 ) -> argparse.ArgumentParser:
-    """The parser every benchmark extends: --quick, --smoke (unless `smoke` is None) and --out (a Path)."""
+    """The parser every benchmark extends: --quick, --smoke (unless `smoke` is None), --out (a Path) and
+    --extended (what `make bench-all` adds; accepted by every benchmark, a no-op where `extended` is None)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=quick)
+    parser.add_argument(
+        "--extended",
+        action="store_true",
+        help=extended or "no effect here (make bench-all passes it to every benchmark)",
+    )
     if smoke is not None:
         parser.add_argument("--smoke", action="store_true", help=smoke)
     parser.add_argument("--out", type=Path, default=RESULTS, help=out)

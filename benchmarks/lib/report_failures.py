@@ -7,9 +7,10 @@ from lib.markdown import fmt, table
 
 def chaos(data: dict) -> str:
     """Goodput under failures."""
+    carried = data.get("carried_over", {})
     rows = [
         [
-            mode,
+            mode + (f" (carried over from {carried[mode][:10]}: make bench-all reruns it)" if mode in carried else ""),
             data["goodput"][mode],
             ", ".join(fmt(x, 3) for x in data.get("goodput_pairs", {}).get(mode, [])) or "-",
             data["final_eval_loss"][mode],
