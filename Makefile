@@ -28,7 +28,8 @@ bench: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py
 	$(BIN)/python benchmarks/report.py
 
-# bench, plus the attack table and the top-k horizon (about 24 minutes more).
+# bench, plus the attack table, the top-k horizon and every script --extended (chaos standby, bandwidth fp16,
+# bf16 and H = 50): about 30 minutes more.
 bench-all: $(STAMP)
 	$(BIN)/python scripts/run_benchmarks.py --all
 	$(BIN)/python benchmarks/report.py

@@ -389,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
     carried: dict[str, str] = {}
     if skip_extended:
         rows, carried = carry_over(rows, earlier)
+    elif args.codecs and not args.rescan:  # rows kept from a plain run's carry-over keep their dates
+        carried = {
+            key: when for key, when in earlier.get("carried_over", {}).items() if key.split("@")[0] not in codecs
+        }
     result = {
         **summarise(rows, grid),
         "targets": {

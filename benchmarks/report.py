@@ -185,8 +185,8 @@ def bandwidth(data: dict) -> str:
     if carried := data.get("carried_over"):
         dates = sorted({date[:10] for date in carried.values() if date})
         note += (
-            f"\n\n{', '.join(carried)}: carried over from `make bench-all`'s last run ({', '.join(dates)}); "
-            "`make bench` skips them."
+            f"\n\n{', '.join(carried)}: carried over from the previous result (dated {', '.join(dates)}); "
+            "`make bench` skips them, `make bench-all` reruns them."
         )
     return (f"H = {data.get('H')} rows are means over seeds {seeds}.\n\n" if seeds else "") + table(header, rows) + note
 

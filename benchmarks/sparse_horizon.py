@@ -10,15 +10,19 @@ each value over the islands that sent it, as `SparsePartReducer`), so that no ne
     python benchmarks/sparse_horizon.py           # default model, 24 rounds, seeds 0 1 2, 2 at a time (~13 min)
     python benchmarks/sparse_horizon.py --quick   # tiny model, 40 rounds, seeds 0 1 2
     python benchmarks/sparse_horizon.py --smoke   # tiny model, 3 rounds, seed 0 (used by the tests)
+    python benchmarks/sparse_horizon.py --systems topk --topk-outer-lr 1.0 --error-feedback-decay 0.8
+                                                  # a sweep point: topk alone, the fp32 curves reused (~6 min)
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 
 import torch
 from lib.common import TINY, benchmark_parser, provenance, write_result
@@ -44,8 +48,17 @@ with plain SGD at lr 1 (better at this horizon, as quality.py found at its own),
 (p2p_diloco.config.SPARSE_DEFAULTS). topk is judged against the better fp32."""
 
 
-def train(system: str, rounds: int, seed: int, tiny: bool, eval_batches: int) -> list[float]:
-    """Eval loss of the anchor after every round of 4 islands of `system` (an OUTER key)."""
+def train(
+    system: str,
+    rounds: int,
+    seed: int,
+    tiny: bool,
+    eval_batches: int,
+    outer_settings: tuple[float, float] | None = None,
+    decay: float | None = None,
+) -> list[float]:
+    """Eval loss of the anchor after every round of 4 islands of `system` (an OUTER key), with its outer (lr,
+    momentum) and topk's error-feedback decay unless given."""
     codec = "topk" if system == "topk" else "fp32"
     config = load_config(TINY if tiny else None)
     shards, seq_len, train_config = load_shards(config.data), config.model.seq_len, config.train
@@ -56,9 +69,10 @@ def train(system: str, rounds: int, seed: int, tiny: bool, eval_batches: int) ->
     streams = [
         BatchStream(shards.train_shard(i, ISLANDS), 8, seq_len, seed=data_seed(seed, i, "")) for i in range(ISLANDS)
     ]
-    feedback = [ErrorFeedback(SPARSE_DEFAULTS["network.error_feedback_decay"]) for _ in range(ISLANDS)]
+    decay = SPARSE_DEFAULTS["network.error_feedback_decay"] if decay is None else decay
+    feedback = [ErrorFeedback(decay) for _ in range(ISLANDS)]
     wire = quantizer(codec)
-    lr, momentum = OUTER[system]
+    lr, momentum = outer_settings or OUTER[system]
     outer = OuterOptimizer(flatten_parameters(models[0].parameters()), lr=lr, momentum=momentum)
     losses = []
     for round_number in range(rounds):
@@ -91,8 +105,8 @@ def rounds_behind(sparse: list[float], dense: list[float]) -> list[int | None]:
     return behind
 
 
-def plot(curves: dict[str, list[float]], path) -> None:
-    """Eval loss per round, fp32 against topk."""
+def plot(curves: dict[str, list[float]], settings: dict[str, tuple[float, float]], path) -> None:
+    """Eval loss per round, fp32 against topk (`settings`: each system's outer lr and momentum)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +114,7 @@ def plot(curves: dict[str, list[float]], path) -> None:
 
     figure, axes = plt.subplots(figsize=(6, 4))
     for codec, losses in curves.items():
-        lr, momentum = OUTER[codec]
+        lr, momentum = settings[codec]
         axes.plot(range(1, len(losses) + 1), losses, marker="o", label=f"{codec} (outer lr {lr}, momentum {momentum})")
     axes.set_xlabel(f"round (H = {H}, {ISLANDS} islands)")
     axes.set_ylabel("eval loss of the anchor")
@@ -111,24 +125,45 @@ def plot(curves: dict[str, list[float]], path) -> None:
     plt.close(figure)
 
 
-def _train_job(job: tuple[str, int, int, bool, int]) -> list[float]:
-    """One (codec, rounds, seed, tiny, eval batches) run in a worker process of one thread."""
+def _train_job(job: tuple) -> list[float]:
+    """One `train` run (its arguments in order) in a worker process of one thread."""
     torch.set_num_threads(1)
     return train(*job)
 
 
-def train_all(rounds: int, seeds: list[int], tiny: bool, workers: int) -> dict[int, dict[str, list[float]]]:
-    """Eval curves of every system for every seed, `workers` runs at a time."""
-    jobs = [(codec, rounds, seed, tiny, 2 if tiny else 16) for seed in seeds for codec in OUTER]
+def train_all(
+    rounds: int, seeds: list[int], tiny: bool, workers: int, outer: dict[str, tuple[float, float]], decay: float
+) -> dict[int, dict[str, list[float]]]:
+    """Eval curves of every system of `outer` (its outer lr and momentum) for every seed, `workers` runs at a time."""
+    jobs = [(codec, rounds, seed, tiny, 2 if tiny else 16, outer[codec], decay) for seed in seeds for codec in outer]
     if workers <= 1:
         losses = [_train_job(job) for job in jobs]
     else:
         with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
             losses = list(pool.map(_train_job, jobs))
     curves: dict[int, dict[str, list[float]]] = {seed: {} for seed in seeds}
-    for (codec, _, seed, _, _), curve in zip(jobs, losses):
+    for (codec, _, seed, *_), curve in zip(jobs, losses):
         curves[seed][codec] = curve
     return curves
+
+
+def reuse_curves(by_seed: dict[int, dict[str, list[float]]], previous: Path, systems: list[str]) -> dict[str, dict]:
+    """Fill in `systems` (not trained this run: a sweep of topk alone) from the `previous` result of the same seeds
+    and rounds; their outer settings there, by system. Exits with a clear error when that result does not fit."""
+    if not systems:
+        return {}
+    old = json.loads(previous.read_text()) if previous.exists() else {}
+    curves = old.get("eval_loss_by_seed", {})
+    rounds = len(next(iter(next(iter(by_seed.values())).values())))
+    for seed, runs in by_seed.items():
+        for system in systems:
+            curve = curves.get(str(seed), {}).get(system)
+            if curve is None or len(curve) != rounds:
+                raise SystemExit(
+                    f"error: {previous} has no {rounds}-round curve of {system} for seed {seed}: run it too (--systems)"
+                )
+            runs[system] = curve
+    return {system: old["outer"][system] for system in systems}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,13 +172,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="outer rounds (default 24; --quick 40, --smoke 3)")
     parser.add_argument("--seeds", type=int, nargs="+", help="model-init and batch-order seeds (default 0 1 2)")
     parser.add_argument("--workers", type=int, default=2, help="runs at a time, one thread each (default 2)")
+    parser.add_argument(
+        "--systems", nargs="+", choices=list(OUTER), default=list(OUTER), help="systems to train (default all)"
+    )
+    parser.add_argument("--topk-outer-lr", type=float, help="topk's outer lr (a sweep; default SPARSE_DEFAULTS)")
+    parser.add_argument("--topk-outer-momentum", type=float, help="topk's outer Nesterov momentum (a sweep)")
+    parser.add_argument("--error-feedback-decay", type=float, help="topk's error-feedback decay (a sweep)")
     args = parser.parse_args(argv)
+    outer = {system: OUTER[system] for system in args.systems}
+    if "topk" in outer:
+        lr, momentum = outer["topk"]
+        outer["topk"] = (
+            lr if args.topk_outer_lr is None else args.topk_outer_lr,
+            momentum if args.topk_outer_momentum is None else args.topk_outer_momentum,
+        )
+    decay = SPARSE_DEFAULTS["network.error_feedback_decay"]
+    decay = decay if args.error_feedback_decay is None else args.error_feedback_decay
     tiny = args.quick or args.smoke
     rounds = args.rounds or (3 if args.smoke else 40 if args.quick else 24)
     seeds = args.seeds or ([0] if args.smoke else [0, 1, 2])
     torch.set_num_threads(1)
     started = time.monotonic()
-    by_seed = train_all(rounds, seeds, tiny, args.workers)
+    by_seed = train_all(rounds, seeds, tiny, args.workers, outer, decay)
+    name = "sparse_horizon-smoke" if args.smoke else "sparse_horizon"
+    reused = reuse_curves(by_seed, args.out / f"{name}.json", [system for system in OUTER if system not in outer])
+    settings = {**{system: tuple(reused[system].values()) for system in reused}, **outer}
     curves = {
         system: [statistics.fmean(c[system][r] for c in by_seed.values()) for r in range(rounds)] for system in OUTER
     }
@@ -155,8 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "islands": ISLANDS,
         "H": H,
         "topk_density": DENSITY,
-        "outer": {system: {"lr": lr, "momentum": momentum} for system, (lr, momentum) in OUTER.items()},
-        "error_feedback_decay": SPARSE_DEFAULTS["network.error_feedback_decay"],
+        "outer": {system: {"lr": lr, "momentum": momentum} for system, (lr, momentum) in settings.items()},
+        "error_feedback_decay": decay,
         "rounds": rounds,
         "seeds": seeds,
         "model": "tiny" if tiny else "default",
@@ -171,10 +224,10 @@ def main(argv: list[str] | None = None) -> int:
         "topk_rounds_behind": behind,
         "wall_s": time.monotonic() - started,
         **provenance("sparse_horizon.py", argv),
+        **({"reused_from_previous_run": sorted(reused)} if reused else {}),
     }
-    name = "sparse_horizon-smoke" if args.smoke else "sparse_horizon"
     path = write_result(args.out, name, result)
-    plot(curves, args.out / f"{name}.png")
+    plot(curves, settings, args.out / f"{name}.png")
     print(
         f"topk / {reference} after {rounds} rounds, seeds {seeds}: {result['topk_over_fp32']:.3f} {ratios[reference]}"
     )

@@ -382,9 +382,9 @@ def _dotted_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
     return [key for keys in nested for key in keys]
 
 
-SPARSE_DEFAULTS = {"train.outer_lr": 1.5, "train.outer_momentum": 0.0, "network.error_feedback_decay": 0.8}
-"""Codec topk's defaults unless set: outer SGD at lr 1.5 (the residual already carries past rounds, as momentum
-would) and a residual faded by 0.8 a round, tuned with benchmarks/sparse_horizon.py's training loop."""
+SPARSE_DEFAULTS = {"train.outer_lr": 1.2, "train.outer_momentum": 0.0, "network.error_feedback_decay": 0.7}
+"""Codec topk's defaults unless set: outer SGD at lr 1.2 (the residual already carries past rounds, as momentum
+would) and a residual faded by 0.7 a round, swept with benchmarks/sparse_horizon.py over 24 rounds (README)."""
 
 
 def apply_codec_defaults(config: PeerConfig, given: set[str]) -> None:

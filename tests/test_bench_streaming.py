@@ -48,6 +48,15 @@ def test_sparse_horizon_benchmark_smoke(tmp_path: Path) -> None:
     assert result["final_eval_loss"]["fp32"] < result["final_eval_loss"]["topk"]  # 2 rounds of 2% cannot catch up
     assert len(result["topk_rounds_behind"]) == 2
     assert (tmp_path / "sparse_horizon-smoke.png").read_bytes()[:4] == b"\x89PNG"
+    # A sweep of topk alone reuses the fp32 curves of that run, and says so; another horizon is refused.
+    swept = _run("sparse_horizon.py", tmp_path, "--rounds", "2", "--systems", "topk", "--topk-outer-lr", "1.1")
+    assert swept.returncode == 0, swept.stdout[-3000:] + swept.stderr[-3000:]
+    again = json.loads((tmp_path / "sparse_horizon-smoke.json").read_text())
+    assert again["reused_from_previous_run"] == ["fp32", "fp32_sgd"] and again["outer"]["topk"]["lr"] == 1.1
+    assert again["eval_loss_by_round"]["fp32"] == curves["fp32"]
+    assert again["eval_loss_by_round"]["topk"] != curves["topk"]
+    refused = _run("sparse_horizon.py", tmp_path, "--rounds", "3", "--systems", "topk")
+    assert refused.returncode != 0 and "no 3-round curve of fp32" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_utilization_benchmark_smoke(tmp_path: Path) -> None:

@@ -109,7 +109,8 @@ def test_stalled_streaming_island_realigns_its_fragments(local_swarm: LocalSwarm
         assert peer.wait(240) == 0, peer.log_text()[-3000:]
 
     after = stalled.records()[frozen_at:]
-    assert any(r["resynced"] for r in after), "the stalled island never resynced its fragments"
+    rounds = [(r["outer_step"], r["fragment"], r["partners"], r["merged"], r["resynced"], r["note"]) for r in after]
+    assert any(r["resynced"] for r in after), f"the stalled island never resynced its fragments: {rounds}"
     steps = {}
     for peer in peers:
         for record in peer.records():

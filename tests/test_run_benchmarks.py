@@ -108,3 +108,17 @@ def test_the_targets_table_judges_each_figure_from_its_result_file() -> None:
     assert "a standby (`--standby true`) takes over in 2.0 s (2.0x" in restart[3]
     assert rows["goodput under chaos, decoupled with standbys"][:3] == ["0.89", ">= 0.90", "no"]
     assert target_rows({}) == []  # no result files, no rows
+
+
+def test_bench_all_passes_extended_to_every_script(monkeypatch) -> None:
+    sys.path.insert(0, str(RUNNER.parent))
+    try:
+        import run_benchmarks
+    finally:
+        sys.path.remove(str(RUNNER.parent))
+    commands: list[list[str]] = []
+    monkeypatch.setattr(run_benchmarks.subprocess, "call", lambda command: commands.append(command) or 0)
+    script = REPO / "benchmarks" / "chaos.py"
+    run_benchmarks.run(script, quick=False, out=None, extended=True)
+    run_benchmarks.run(script, quick=False, out=None)
+    assert commands[0][-1] == "--extended" and "--extended" not in commands[1]

@@ -10,7 +10,12 @@ def chaos(data: dict) -> str:
     carried = data.get("carried_over", {})
     rows = [
         [
-            mode + (f" (carried over from {carried[mode][:10]}: make bench-all reruns it)" if mode in carried else ""),
+            mode
+            + (
+                f" (carried over from the result of {carried[mode][:10]}; make bench-all reruns it)"
+                if mode in carried
+                else ""
+            ),
             data["goodput"][mode],
             ", ".join(fmt(x, 3) for x in data.get("goodput_pairs", {}).get(mode, [])) or "-",
             data["final_eval_loss"][mode],
