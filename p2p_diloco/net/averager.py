@@ -42,6 +42,7 @@ from p2p_diloco.net.parts import part_size_for
 from p2p_diloco.net.repair import ServedParts
 from p2p_diloco.net.round_service import RoundServiceMixin
 from p2p_diloco.net.round_settings import RoundSettingsMixin
+from p2p_diloco.net.shared_memory import shared_zeros
 from p2p_diloco.net.state_transfer import verified_download
 from p2p_diloco.net.withdrawals import detach_withdrawals
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals, keep_freed_memory
@@ -84,7 +85,8 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         self._token = token
         self._served: ServedParts | None = None  # the latest round's averaged parts, for a member that lost some
         self.leader_poll_s = leader_poll_s
-        super().__init__([torch.zeros(size, dtype=torch.float32)], dht=dht, prefix=prefix, **kwargs)
+        # Shared here, with a retry, so that hivemind's own share_memory_() finds it shared already.
+        super().__init__([shared_zeros(size)], dht=dht, prefix=prefix, **kwargs)
 
     # hivemind caches the rpc handlers it collects per class hierarchy: without these, a process that used a plain
     # DecentralizedAverager first would serve this class with the base class's handlers.
