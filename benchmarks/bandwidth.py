@@ -94,11 +94,7 @@ def rescan_one(
     if not records:
         raise SystemExit(f"bandwidth.py --rescan: no metrics in {folder}; run the grid first")
     previous = next(
-        (
-            row
-            for row in args.previous_rows
-            if (row["codec"], row["H"], row.get("seed", 0), row.get("wide", False)) == (codec, inner_steps, seed, wide)
-        ),
+        (row for row in args.previous_rows if row_key(row) == (codec, inner_steps, seed, wide)),
         {},
     )
     codes, wall = previous.get("exit_codes", []), previous.get("wall_s")
@@ -255,6 +251,7 @@ def chatter_fit(rows: list[dict]) -> dict | None:
 
 
 SHORTER_H_CODECS = ("fp32", "int4", "topk")
+"""The codecs that also run at the shorter H (the others only at the largest: there they add little)."""
 EXTENDED_CODECS = ("fp16", "bf16")
 EXTENDED_H = (50,)
 """Rows only --extended runs (make bench-all): the half-precision codecs' bytes are exactly half of fp32's and
@@ -280,9 +277,6 @@ def carry_over(rows: list[dict], earlier: dict) -> tuple[list[dict], dict[str, s
         f"{row['codec']}@H{row['H']}": dates.get(f"{row['codec']}@H{row['H']}", earlier.get("date")) for row in carried
     }
     return carried + rows, when
-
-
-"""The codecs that also run at the shorter H (the others only at the largest: there they add little)."""
 
 
 def summarise(rows: list[dict], grid: dict[int, int]) -> dict:
@@ -408,8 +402,7 @@ def main(argv: list[str] | None = None) -> int:
         **provenance("bandwidth.py", argv),
         **({"carried_over": carried} if carried else {}),
     }
-    if args.rescan and previous.exists():  # the figures come from the earlier runs: keep their command and date
-        earlier = json.loads(previous.read_text())
+    if args.rescan and earlier:  # the figures come from the earlier runs: keep their command and date
         result.update({key: earlier[key] for key in ("command", "date", "machine") if key in earlier})
         result["rescanned"] = provenance("bandwidth.py", argv)
     path = write_result(args.out, name, result)

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     by_seed = train_all(rounds, seeds, tiny, args.workers, outer, decay)
     name = "sparse_horizon-smoke" if args.smoke else "sparse_horizon"
     reused = reuse_curves(by_seed, args.out / f"{name}.json", [system for system in OUTER if system not in outer])
-    settings = {**{system: tuple(reused[system].values()) for system in reused}, **outer}
+    settings = {**{system: (old["lr"], old["momentum"]) for system, old in reused.items()}, **outer}
     curves = {
         system: [statistics.fmean(c[system][r] for c in by_seed.values()) for r in range(rounds)] for system in OUTER
     }
