@@ -95,12 +95,13 @@ def link(data: dict) -> str:
 
 def decoupled(data: dict) -> str:
     """Decoupled merging under heterogeneity."""
-    rows = []
+    rows, carried = [], data.get("carried_over", {})
     for row in data["rows"]:
         finals = ", ".join(fmt(v, 3) for v in row["final_eval_loss"].values())
+        when = carried.get(row["name"])
         rows.append(
             [
-                row["name"],
+                row["name"] + (f" (carried over from {when[:10]}; make bench-all reruns it)" if when else ""),
                 row["mode"],
                 row["merge"],
                 row["mean_final_eval_loss"],

@@ -129,3 +129,28 @@ def test_stalled_streaming_island_realigns_its_fragments(local_swarm: LocalSwarm
     for step in settled:
         assert len({r["anchor_digest"] for r in steps[step].values()}) == 1, f"islands differ after step {step}"
     assert {peer.records()[-1]["outer_step"] for peer in peers} == {24}
+
+
+def test_a_plain_decoupled_run_carries_the_extended_rows_over_dated_in_config_order(tmp_path: Path) -> None:
+    import json
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from decoupled import EXTENDED_CONFIGS, carry_over
+
+    old_rows = [{"name": name, "goodput": 1.0} for name in ("sync", "k1-nograce-mean", "k1-adaptive-tokens-delayed")]
+    previous = tmp_path / "decoupled.json"
+    previous.write_text(json.dumps({"date": "2026-12-03T04:56:41", "budget_s": 30, "rows": old_rows}))
+    fresh = [{"name": "sync", "goodput": 2.0}, {"name": "k1-adaptive-tokens", "goodput": 3.0}]
+    rows, carried = carry_over(fresh, previous, EXTENDED_CONFIGS, 30)
+    assert [row["name"] for row in rows] == [
+        "sync",
+        "k1-nograce-mean",
+        "k1-adaptive-tokens",
+        "k1-adaptive-tokens-delayed",
+    ]
+    assert rows[0]["goodput"] == 2.0, "a fresh row must win over the carried one"
+    assert carried == {"k1-nograce-mean": "2026-12-03T04:56:41", "k1-adaptive-tokens-delayed": "2026-12-03T04:56:41"}
+    # Carried twice, a row keeps the date it was measured on; another budget carries nothing.
+    previous.write_text(json.dumps({"date": "2026-12-06", "budget_s": 30, "rows": rows, "carried_over": carried}))
+    assert carry_over(fresh, previous, EXTENDED_CONFIGS, 30)[1] == carried
+    assert carry_over(fresh, previous, EXTENDED_CONFIGS, 15) == (fresh, {})

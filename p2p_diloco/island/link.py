@@ -30,6 +30,7 @@ from p2p_diloco.net.membership import Membership, MembershipError, load_membersh
 from p2p_diloco.net.peers_file import read_peers_file, write_peers_file
 from p2p_diloco.net.reachability import Reachability, announce_relay, determine, relay_hosts
 from p2p_diloco.net.records import PROTOCOL_VERSION, RunRecords
+from p2p_diloco.net.replica import ReplicaFirstDHT
 from p2p_diloco.net.transport import TransportMeter
 from p2p_diloco.timeouts import LINGER_S
 
@@ -99,7 +100,8 @@ class SwarmLink:
             logger.debug(f"could not ping the initial peers: {error!r}")
         reachability = self.reachability
         if reachability is not None and reachability.relay_server is not None:
-            announce_relay(self.dht, self.peer_id, reachability.relay_server.port, relay_hosts(reachability.maddrs))
+            dht = self.records.dht if self.records is not None else self.dht  # replica-first, as the records
+            announce_relay(dht, self.peer_id, reachability.relay_server.port, relay_hosts(reachability.maddrs))
         if network.peers_file:
             maddrs = [m for info in swarm_view.values() for m in (info.get("maddrs") or [])[:2]]
             write_peers_file(network.peers_file, maddrs + list(network.initial_peers))
@@ -295,7 +297,7 @@ def connect(
         _log_reachability(reachability, network.run_id)
         announcement.update(maddrs=reachability.maddrs[:4], reachability=reachability.mode)
         link.records = RunRecords(
-            dht, network.run_id, link.peer_id, ttl=network.announce_ttl, timeout=network.dht_timeout
+            ReplicaFirstDHT(dht), network.run_id, link.peer_id, ttl=network.announce_ttl, timeout=network.dht_timeout
         )
         link.refresh(link.records.announce(announcement, check=True))
         outbound_only = network.client_mode == "on" or (reachability.mode == "client" and network.client_mode == "auto")

@@ -40,6 +40,7 @@ from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_size_for
 from p2p_diloco.net.repair import ServedParts
+from p2p_diloco.net.replica import GROUP_KEYS_NETWORK_EVERY, ReplicaFirstDHT
 from p2p_diloco.net.round_service import RoundServiceMixin
 from p2p_diloco.net.round_settings import RoundSettingsMixin
 from p2p_diloco.net.shared_memory import shared_zeros
@@ -98,6 +99,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         die_with_parent()
         ignore_group_stop_signals()
         keep_freed_memory()
+        self.dht = ReplicaFirstDHT(self.dht, network_every=GROUP_KEYS_NETWORK_EVERY)  # group keys, state donors
         super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:

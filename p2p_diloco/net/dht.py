@@ -110,7 +110,11 @@ def launch_dht(
     if membership is not None:
         kwargs["authorizer"] = MembershipAuthorizer(key, membership)
     # A refused bootstrap ping must not end the start-up: the caller asks the peers why (a private swarm?).
+    # No cache refresh: hivemind re-reads a cached key over the network whenever a read is answered from this node
+    # near the key's expiry, and group keys (declared for a second) are always near it: a look-up answered from
+    # this node's replica (net/replica.py) cost a full walk in the background all the same.
     dht = OrphanFreeDHT(
+        cache_refresh_before_expiry=0,
         initial_peers=initial_peers or None,
         start=False,
         record_validators=record_validators(key),
