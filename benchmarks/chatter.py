@@ -94,41 +94,37 @@ def payload_per_round(records: dict[str, list[dict]], window: tuple[float, float
 
 
 def plot(result: dict, path: Path) -> None:
-    """One bar per thing the chatter served, payload beside them."""
+    """Two bars per thing the chatter served (replica-first, and every read and write walking), payload beside."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    items = list(result["chatter_by_what"].items()) + [("payload (top-k)", result["payload_bytes_per_island_round"])]
-    fig, axes = plt.subplots(figsize=(8, 0.45 * len(items) + 1.2))
-    axes.barh([name for name, _ in items][::-1], [value / 1000 for _, value in items][::-1], color="tab:blue")
+    walks = result.get("hivemind_walks", {})
+    names = list(dict.fromkeys([*result["chatter_by_what"], *walks.get("chatter_by_what", {})]))
+    labels = [*names, "payload (top-k)"]
+    ours = [result["chatter_by_what"].get(n, 0.0) for n in names] + [result["payload_bytes_per_island_round"]]
+    theirs = [walks.get("chatter_by_what", {}).get(n, 0.0) for n in names]
+    theirs.append(walks.get("payload_bytes_per_island_round", 0.0))
+    fig, axes = plt.subplots(figsize=(8, 0.55 * len(labels) + 1.2))
+    at = list(range(len(labels)))[::-1]
+    axes.barh([y + 0.2 for y in at], [v / 1000 for v in ours], height=0.4, color="tab:blue", label="replica-first")
+    axes.barh([y - 0.2 for y in at], [v / 1000 for v in theirs], height=0.4, color="tab:gray", label="every op walks")
+    axes.set_yticks(at, labels)
     axes.set_xlabel("KB per island and round (request + response, protobuf)")
     axes.set_title(f"chatter of {result['islands']} islands, steady state")
+    axes.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the counted swarm, print the breakdown and write chatter.json and chatter.png."""
-    parser = benchmark_parser(__doc__, quick="10 rounds", smoke="2 islands, 6 rounds (used by the tests)")
-    args = parser.parse_args(argv)
-    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    islands, inner_steps, outer_steps = MODES[mode]
-    name = "chatter-smoke" if args.smoke else "chatter"
-    folder = args.out / f"{name}-runs"
+def count_swarm(folder: Path, name: str, flags: list[str], islands: int) -> dict:
+    """One counted swarm: its RPC breakdown in the steady window, per island-round."""
     counts = folder / "rpc-counts.txt"
     folder.mkdir(parents=True, exist_ok=True)
     counts.unlink(missing_ok=True)
     os.environ["P2P_DILOCO_RPC_COUNT"] = str(counts)
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), os.environ.get("PYTHONPATH")]))
-    flags = ["--inner-steps", str(inner_steps), "--outer-steps", str(outer_steps), "--codec", "topk"]
-    flags += ["--num-shards", str(islands), "--quorum", str(islands), "--target-group-size", str(islands)]
-    flags += ["--averaging-timeout", "120", "--config", str(TINY)]
-    if args.smoke:  # announces every 2 rounds, so that a few rounds are sure to hold some
-        flags += ["--announce-every", "2"]
-    print(f"chatter ({mode}): {islands} islands, topk, H={inner_steps}, {outer_steps} rounds", flush=True)
     records, codes, wall = run_islands(
         folder / "swarm", name, islands, flags, per_island=lambda index: ["--shard-index", str(index)]
     )
@@ -137,11 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     rpcs, names = parse_counts(counts)
     window = steady_window(records)
     rows = breakdown(rpcs, names, window)
-    result = {
-        **provenance("chatter.py", argv),
-        "islands": islands,
-        "inner_steps": inner_steps,
-        "outer_steps": outer_steps,
+    return {
         "island_rounds_counted": window[2],
         "window_s": window[1] - window[0],
         "chatter_by_what": by_what(rows),
@@ -149,18 +141,55 @@ def main(argv: list[str] | None = None) -> int:
         "payload_bytes_per_island_round": payload_per_round(records, window),
         "rows": rows,
         "wall_s": wall,
-        "notes": "protobuf bytes of each RPC (request + response) at its caller, between the last island's first "
-        "round and the first island's last round, per island-round; libp2p framing and encryption not included",
     }
-    for row in rows:
+
+
+def print_swarm(label: str, swarm: dict) -> None:
+    """The breakdown of one counted swarm."""
+    print(f"-- {label}")
+    for row in swarm["rows"]:
         print(
             f"  {row['what']:32s} {row['rpc']:22s} {row['calls']:5d} calls  "
             f"{row['bytes_per_island_round'] / 1000:7.1f} KB per island-round"
         )
     print(
-        f"RPCs {result['rpc_bytes_per_island_round'] / 1000:.1f} KB per island-round over {window[2]} island-rounds; "
-        f"top-k payload {result['payload_bytes_per_island_round'] / 1000:.1f} KB"
+        f"RPCs {swarm['rpc_bytes_per_island_round'] / 1000:.1f} KB per island-round over "
+        f"{swarm['island_rounds_counted']} island-rounds; top-k payload "
+        f"{swarm['payload_bytes_per_island_round'] / 1000:.1f} KB"
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the counted swarms, print the breakdown and write chatter.json and chatter.png."""
+    parser = benchmark_parser(__doc__, quick="10 rounds", smoke="2 islands, 6 rounds (used by the tests)")
+    args = parser.parse_args(argv)
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
+    islands, inner_steps, outer_steps = MODES[mode]
+    name = "chatter-smoke" if args.smoke else "chatter"
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SHIM), os.environ.get("PYTHONPATH")]))
+    flags = ["--inner-steps", str(inner_steps), "--outer-steps", str(outer_steps), "--codec", "topk"]
+    flags += ["--num-shards", str(islands), "--quorum", str(islands), "--target-group-size", str(islands)]
+    flags += ["--averaging-timeout", "120", "--config", str(TINY)]
+    if args.smoke:  # announces every 2 rounds, so that a few rounds are sure to hold some
+        flags += ["--announce-every", "2"]
+    print(f"chatter ({mode}): {islands} islands, topk, H={inner_steps}, {outer_steps} rounds", flush=True)
+    swarm = count_swarm(args.out / f"{name}-runs", name, flags, islands)
+    print_swarm("replica-first reads and writes (default)", swarm)
+    walks = count_swarm(args.out / f"{name}-runs-walks", name, flags + ["--dht-walk-every", "1"], islands)
+    print_swarm("every read and write walks the DHT (--dht-walk-every 1, hivemind's way)", walks)
+    result = {
+        **provenance("chatter.py", argv),
+        "islands": islands,
+        "inner_steps": inner_steps,
+        "outer_steps": outer_steps,
+        **swarm,
+        "hivemind_walks": walks,
+        "replica_first_vs_walks": swarm["rpc_bytes_per_island_round"] / max(1.0, walks["rpc_bytes_per_island_round"]),
+        "notes": "protobuf bytes of each RPC (request + response) at its caller, between the last island's first "
+        "round and the first island's last round, per island-round; libp2p framing and encryption not included. "
+        "hivemind_walks: the same swarm with --dht-walk-every 1 (every DHT read and write walks, as hivemind does)",
+    }
+    print(f"replica-first / walks: {result['replica_first_vs_walks']:.2f}")
     path = write_result(args.out, name, result)
     plot(result, args.out / f"{name}.png")
     print(f"wrote {path} and {name}.png")

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from lib.common import TINY, benchmark_parser, provenance, write_result
+from lib.quality_carry import REFERENCES, carried_references
 from lib.quality_common import ISLANDS, SYSTEMS, initial_eval, load_island_config
 from lib.quality_dp import dp_worker, run_data_parallel
 from lib.quality_islands import run_p2p, run_solo
@@ -202,13 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     )
     started = time.monotonic()
     finals, curves, rows = [], [], []
+    plain = not (args.extended or args.smoke or args.quick)
+    carried = carried_references(args.out / "quality.json", settings) if plain else None
+    reused = False
     for number, seed in enumerate(settings["seeds"], start=1):
         print(f"== seed {seed} ({number} of {len(settings['seeds'])})", flush=True)
         seeded = {**settings, "seed": seed}
         start_eval = initial_eval(seeded)
         references = number <= settings["reference_seeds"]
-        systems = run_systems(seeded, args.out / "quality-runs" / f"seed-{seed}", references)
+        reuse = (
+            references and carried is not None and (carried["seed"], carried["initial_eval_loss"]) == (seed, start_eval)
+        )
+        if reuse:
+            print(f"== (b) + (d) carried over from the result of {carried['date'][:10]} (--extended reruns them)")
+        systems = run_systems(seeded, args.out / "quality-runs" / f"seed-{seed}", references and not reuse)
         curves.append(curves_from(systems, start_eval))
+        if reuse:
+            reused = True
+            systems.update(carried["rows"])
+            curves[-1].update(carried["curves"])
         finals.append({name: row["final_eval_loss"] for name, row in systems.items()})
         rows.append({"seed": seed, "initial_eval_loss": start_eval, "systems": systems})
     combined = combine_seeds(settings["seeds"], finals, curves)
@@ -226,6 +239,8 @@ def main(argv: list[str] | None = None) -> int:
         "runs_by_seed": rows,
         "wall_s": time.monotonic() - started,
     }
+    if reused:
+        result["carried_over"] = {name: carried["date"] for name in REFERENCES}
     report(result, settings, args.out, "quality-smoke" if args.smoke else "quality")
     return 0 if all(math.isfinite(v) for v in final.values()) else 1
 

@@ -27,9 +27,13 @@ def quality(data: dict) -> str:
     ]
     seeds = data.get("seeds", [data.get("settings", {}).get("seed", 0)])
     ran = data.get("seeds_by_system", {})
+    carried = data.get("carried_over", {})
     for row in rows:
-        if ran.get(row[0], seeds) != seeds:
-            row[0] = f"{row[0]} (seeds {ran[row[0]]})"
+        name = row[0]
+        if ran.get(name, seeds) != seeds:
+            row[0] = f"{row[0]} (seeds {ran[name]})"
+        if name in carried:
+            row[0] += f", carried over from {carried[name][:10]} (make bench-all reruns it)"
     text = table([f"system (mean of {len(seeds)} seed(s))", "final eval loss", "std", "min", "max"], rows)
     if losses.get("data_parallel") and losses.get("p2p_diloco"):
         text += f"\n\np2p-diloco / data-parallel: {losses['p2p_diloco'] / losses['data_parallel']:.4f}"
@@ -238,13 +242,28 @@ def sparse_horizon(data: dict) -> str:
 
 def chatter(data: dict) -> str:
     """Chatter per island-round by what it served, and the top-k payload beside it."""
-    rows = [[what, round(size / 1000, 2)] for what, size in data["chatter_by_what"].items()]
-    rows.append(["all RPCs", round(data["rpc_bytes_per_island_round"] / 1000, 2)])
-    rows.append(["top-k payload (direct lanes)", round(data["payload_bytes_per_island_round"] / 1000, 2)])
+    walks = data.get("hivemind_walks", {})
+    theirs = walks.get("chatter_by_what", {})
+    names = list(dict.fromkeys([*data["chatter_by_what"], *theirs]))
+    rows = [[what, data["chatter_by_what"].get(what, 0.0) / 1000, theirs.get(what, 0.0) / 1000] for what in names]
+    rows.append(
+        ["all RPCs", data["rpc_bytes_per_island_round"] / 1000, walks.get("rpc_bytes_per_island_round", 0) / 1000]
+    )
+    rows.append(
+        [
+            "top-k payload (direct lanes)",
+            data["payload_bytes_per_island_round"] / 1000,
+            walks.get("payload_bytes_per_island_round", 0) / 1000,
+        ]
+    )
+    ratio = data.get("replica_first_vs_walks")
     return (
         f"{data['islands']} islands, tiny model, top-k, quorum {data['islands']}; {data['island_rounds_counted']} "
-        "island-rounds at steady state; protobuf bytes of each RPC, request and response, at its caller.\n\n"
-        + table(["what", "KB per island-round"], rows)
+        "island-rounds at steady state; protobuf bytes of each RPC, request and response, at its caller; beside "
+        "them the same swarm with `--dht-walk-every 1` (every DHT read and write walks, as hivemind does)"
+        + (f": replica-first / walks = {ratio:.2f}" if ratio else "")
+        + ".\n\n"
+        + table(["what", "KB per island-round", "every op walks"], rows)
     )
 
 

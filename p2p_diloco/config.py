@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +19,9 @@ from p2p_diloco.validation import (  # noqa: F401 - the constants are part of th
     validate_config,
 )
 
-if sys.version_info >= (3, 11):
+try:
     import tomllib
-else:  # pragma: no cover
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
@@ -239,6 +238,8 @@ class NetworkConfig:
     """Seconds an island's record lives in the DHT unless renewed: a dead island stops counting after this."""
     announce_every: int = 4
     """Rounds between announces of this island (each reads the others' records); at least one per announce_ttl / 3."""
+    dht_walk_every: int = 4
+    """Every this many reads or writes of a DHT key walk as hivemind does; a replica serves the others (1: all walk)."""
     declare_state_period: float = 10.0
     """How often an island re-announces itself as a state donor for late joiners."""
     shutdown_timeout: float = 3.0
@@ -383,8 +384,7 @@ def _dotted_keys(values: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 SPARSE_DEFAULTS = {"train.outer_lr": 1.2, "train.outer_momentum": 0.0, "network.error_feedback_decay": 0.7}
-"""Codec topk's defaults unless set: outer SGD at lr 1.2 (the residual already carries past rounds, as momentum
-would) and a residual faded by 0.7 a round, swept with benchmarks/sparse_horizon.py over 24 rounds (README)."""
+"""Codec topk's defaults unless set: outer SGD (its residual carries past rounds), swept by sparse_horizon.py."""
 
 
 def apply_codec_defaults(config: PeerConfig, given: set[str]) -> None:

@@ -155,8 +155,10 @@ def _validate_network(network: NetworkConfig) -> None:
     for name in ("request_timeout", "leader_poll_s"):
         if getattr(network, name) >= network.min_matchmaking_time:
             raise ConfigError(f"network.{name} must be smaller than network.min_matchmaking_time")
-    if network.announce_every < 1 or not 0 <= network.direct_port < 65536 or not 0 <= network.relay_port < 65536:
-        raise ConfigError("network.announce_every must be >= 1; direct_port and relay_port in 0..65535 (0: any)")
+    if min(network.announce_every, network.dht_walk_every) < 1 or not 0 <= network.direct_port < 65536:
+        raise ConfigError("network.announce_every and dht_walk_every must be >= 1, direct_port in 0..65535 (0: any)")
+    if not 0 <= network.relay_port < 65536:
+        raise ConfigError(f"network.relay_port={network.relay_port} must be in 0..65535 (0: any)")
     if network.quorum < 1 or network.target_group_size < network.quorum or network.wait_for_islands < 1:
         raise ConfigError("network.target_group_size must be >= network.quorum >= 1, network.wait_for_islands >= 1")
     if network.expect_rounds < 0:

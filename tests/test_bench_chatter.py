@@ -26,4 +26,10 @@ def test_chatter_smoke_names_where_the_bytes_go(tmp_path: Path) -> None:
     assert data["rpc_bytes_per_island_round"] == sum(row["bytes_per_island_round"] for row in data["rows"])
     assert all(row["calls"] > 0 and row["bytes"] > 0 for row in data["rows"])
     assert data["payload_bytes_per_island_round"] > 0
+    # The same swarm walking the DHT for every read and write, as hivemind does, costs more.
+    walks = data["hivemind_walks"]
+    assert (
+        walks["island_rounds_counted"] >= 2 and walks["rpc_bytes_per_island_round"] > data["rpc_bytes_per_island_round"]
+    )
+    assert data["replica_first_vs_walks"] < 1
     assert (tmp_path / "chatter-smoke.png").read_bytes()[:4] == b"\x89PNG"

@@ -94,3 +94,36 @@ def test_seeds_combine_into_means_with_their_spread() -> None:
     assert spread == {"min": 1.0, "max": 2.0, "std": pytest.approx(2**-0.5)}
     assert combined["curves"]["single"]["eval_loss"] == [5.0, 3.0]
     assert combined["curves"]["single"]["eval_loss_max_over_seeds"] == [5.0, 3.5]
+
+
+def test_a_plain_quality_run_carries_the_references_of_one_seed_over_only_from_the_same_settings(
+    tmp_path: Path,
+) -> None:
+    from lib.quality_carry import carried_references
+
+    settings = {"outer_steps": 288, "inner_steps": 5, "eval_batches": 8, "eval_every": 8, "island_lr": 2.5e-3}
+    settings.update(outer_lr=1.0, outer_momentum=0.0, config=None, seeds=[0, 1, 2])
+    curve = {"tokens": [0, 10], "eval_loss": [5.0, 2.0], "inner_steps_per_worker": [0, 5]}
+    old = {
+        "date": "2026-12-05T03:50:12",
+        "settings": {**settings, "islands": 4},
+        "seeds_by_system": {"isolated": [0], "single": [0], "p2p_diloco": [0, 1, 2]},
+        "runs_by_seed": [
+            {"seed": 0, "initial_eval_loss": 5.0, "systems": {"isolated": {"final_eval_loss": 2.0}, "single": {}}}
+        ],
+        "curves": {"isolated": {**curve, "eval_loss_min_over_seeds": [5.0, 2.0]}, "single": curve},
+    }
+    previous = tmp_path / "quality.json"
+    previous.write_text(json.dumps(old))
+    carried = carried_references(previous, settings)
+    assert carried["seed"] == 0 and carried["date"] == "2026-12-05T03:50:12" and carried["initial_eval_loss"] == 5.0
+    assert carried["rows"]["isolated"] == {"final_eval_loss": 2.0}
+    assert carried["curves"]["isolated"] == curve, "only one seed's curve keys, not the band over seeds"
+    # Carried twice, the references keep the date they were measured on.
+    previous.write_text(json.dumps({**old, "date": "2026-12-06", "carried_over": {"isolated": "2026-12-05T03:50:12"}}))
+    assert carried_references(previous, settings)["date"] == "2026-12-05T03:50:12"
+    # Another horizon, or references that were a mean over several seeds: nothing to carry.
+    assert carried_references(previous, {**settings, "outer_steps": 144}) is None
+    previous.write_text(json.dumps({**old, "seeds_by_system": {"isolated": [0, 1], "single": [0, 1]}}))
+    assert carried_references(previous, settings) is None
+    assert carried_references(tmp_path / "missing.json", settings) is None

@@ -150,6 +150,8 @@ def test_missing_file(tmp_path):
         ({"network.request_timeout": 3.0}, "request_timeout"),
         ({"network.leader_poll_s": -0.1}, "leader_poll_s"),
         ({"network.announce_every": 0}, "announce_every"),
+        ({"network.dht_walk_every": 0}, "dht_walk_every"),
+        ({"network.relay_port": 70000}, "relay_port"),
         ({"network.expect_rounds": -1}, "expect_rounds"),
         ({"network.leader_poll_s": 1.0}, "leader_poll_s"),
         ({"network.run_id": "a.b"}, "run id"),

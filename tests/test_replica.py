@@ -119,3 +119,11 @@ def test_a_client_mode_node_always_walks() -> None:
         if client is not None:
             client.shutdown()
         first.shutdown()
+
+
+def test_walking_every_operation_is_hiveminds_way(swarm: list[hivemind.DHT]) -> None:
+    mine = swarm[0]
+    replicas = ReplicaFirstDHT(mine, network_every=1)  # --dht-walk-every 1
+    for index in range(3):
+        assert walks(mine, replicas.store, "run.islands", index, get_dht_time() + 30, f"s{index}")[1] > 0
+        assert walks(mine, replicas.get, "run.islands", latest=True)[1] > 0

@@ -244,6 +244,7 @@ def network_exchange(
         membership_token=None if membership is None else membership.token,
         direct_lanes=network.direct_lanes,
         direct_port=network.direct_port,
+        dht_walk_every=network.dht_walk_every,
         **options,
     )
 
@@ -297,7 +298,11 @@ def connect(
         _log_reachability(reachability, network.run_id)
         announcement.update(maddrs=reachability.maddrs[:4], reachability=reachability.mode)
         link.records = RunRecords(
-            ReplicaFirstDHT(dht), network.run_id, link.peer_id, ttl=network.announce_ttl, timeout=network.dht_timeout
+            ReplicaFirstDHT(dht, network_every=network.dht_walk_every),
+            network.run_id,
+            link.peer_id,
+            ttl=network.announce_ttl,
+            timeout=network.dht_timeout,
         )
         link.refresh(link.records.announce(announcement, check=True))
         outbound_only = network.client_mode == "on" or (reachability.mode == "client" and network.client_mode == "auto")

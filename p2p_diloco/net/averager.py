@@ -40,7 +40,7 @@ from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_size_for
 from p2p_diloco.net.repair import ServedParts
-from p2p_diloco.net.replica import GROUP_KEYS_NETWORK_EVERY, ReplicaFirstDHT
+from p2p_diloco.net.replica import NETWORK_EVERY, ReplicaFirstDHT, averager_walk_every
 from p2p_diloco.net.round_service import RoundServiceMixin
 from p2p_diloco.net.round_settings import RoundSettingsMixin
 from p2p_diloco.net.shared_memory import shared_zeros
@@ -71,6 +71,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         leader_poll_s: float = DEFAULT_POLL_S,
         direct_lanes: bool = True,
         direct_port: int = 0,
+        dht_walk_every: int = NETWORK_EVERY,
         **kwargs: Any,
     ):
         self.byte_counters = ByteCounters()
@@ -85,7 +86,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         self.robust_merge = robust_merge
         self._token = token
         self._served: ServedParts | None = None  # the latest round's averaged parts, for a member that lost some
-        self.leader_poll_s = leader_poll_s
+        self.leader_poll_s, self.dht_walk_every = leader_poll_s, dht_walk_every
         # Shared here, with a retry, so that hivemind's own share_memory_() finds it shared already.
         super().__init__([shared_zeros(size)], dht=dht, prefix=prefix, **kwargs)
 
@@ -99,7 +100,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         die_with_parent()
         ignore_group_stop_signals()
         keep_freed_memory()
-        self.dht = ReplicaFirstDHT(self.dht, network_every=GROUP_KEYS_NETWORK_EVERY)  # group keys, state donors
+        self.dht = ReplicaFirstDHT(self.dht, network_every=averager_walk_every(self.dht_walk_every))  # group keys
         super().run()
 
     async def _shutdown(self, timeout: float | None) -> None:

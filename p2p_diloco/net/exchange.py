@@ -94,9 +94,9 @@ class GossipExchange:
         robust_merge: str = "none",
         membership_token: Any = None,
         part_size_bytes: int | None = None,
-        direct_lanes: bool = True,
-        direct_port: int = 0,
+        **averager_options: Any,
     ):
+        """`averager_options` go to PseudoGradientAverager as they are (direct_lanes, direct_port, dht_walk_every)."""
         quiet_hivemind()  # before the averager process forks: its normal round failures are ours to report
         self.averager = PseudoGradientAverager(
             size,
@@ -108,8 +108,6 @@ class GossipExchange:
             robust_merge=robust_merge,
             token=membership_token,
             leader_poll_s=leader_poll_s,
-            direct_lanes=direct_lanes,
-            direct_port=direct_port,
             target_group_size=target_group_size,
             min_group_size=max(2, quorum),  # hivemind starts a group of one at once: alone is our timeout path
             min_matchmaking_time=min_matchmaking_time,
@@ -122,6 +120,7 @@ class GossipExchange:
             client_mode=client_mode,
             start=False,
             **({"part_size_bytes": part_size_bytes} if part_size_bytes else {}),
+            **averager_options,
         )
         # Matchmaking refuses islands whose schema differs, so naming the codec in it keeps codecs apart.
         self.averager.schema_hash = schema_hash_with_codec(self.averager.schema_hash, codec, PROTOCOL_VERSION)

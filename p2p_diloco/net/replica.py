@@ -32,11 +32,14 @@ from hivemind.dht.validation import DHTRecord
 NETWORK_EVERY = 4
 """Every this many operations of a handle, one walks the DHT as hivemind does (repair and a fresh view)."""
 
-GROUP_KEYS_NETWORK_EVERY = 8
-"""An averager looks up and declares group keys several times a round: one walk in 8 is as many per round."""
 
 _synced: set[DHTID] = set()
 """In the DHT process: keys this node holds a replica of and has walked for since it became one."""
+
+
+def averager_walk_every(walk_every: int) -> int:
+    """An averager looks up and declares group keys several times a round: twice the ops between walks (1 stays 1)."""
+    return walk_every if walk_every == 1 else 2 * walk_every
 
 
 def holds_replica(node: DHTNode, key_id: DHTID) -> bool:
