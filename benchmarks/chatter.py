@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"chatter ({mode}): {islands} islands, topk, H={inner_steps}, {outer_steps} rounds", flush=True)
     swarm = count_swarm(args.out / f"{name}-runs", name, flags, islands)
     print_swarm("replica-first reads and writes (default)", swarm)
-    walks = count_swarm(args.out / f"{name}-runs-walks", name, flags + ["--dht-walk-every", "1"], islands)
+    walks = count_swarm(args.out / f"{name}-walks-runs", name, flags + ["--dht-walk-every", "1"], islands)
     print_swarm("every read and write walks the DHT (--dht-walk-every 1, hivemind's way)", walks)
     result = {
         **provenance("chatter.py", argv),

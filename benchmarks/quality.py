@@ -211,9 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         seeded = {**settings, "seed": seed}
         start_eval = initial_eval(seeded)
         references = number <= settings["reference_seeds"]
-        reuse = (
-            references and carried is not None and (carried["seed"], carried["initial_eval_loss"]) == (seed, start_eval)
-        )
+        # The same initial weights and data: the eval agrees to float32 rounding (CPU kernels differ across machines).
+        reuse = references and carried is not None and carried["seed"] == seed
+        reuse = reuse and math.isclose(carried["initial_eval_loss"] or 0.0, start_eval, rel_tol=1e-6)
         if reuse:
             print(f"== (b) + (d) carried over from the result of {carried['date'][:10]} (--extended reruns them)")
         systems = run_systems(seeded, args.out / "quality-runs" / f"seed-{seed}", references and not reuse)
