@@ -13,7 +13,10 @@ Every system starts from the same initial weights (model seed), island / rank i 
 island's batch-order seed, and every eval uses the same held-out tail of the corpus. The systems run one after
 the other so that they do not compete for the CPU.
 
-    python benchmarks/quality.py            # default model, T=288, H=5, 3 seeds (references: 1); about 16 min
+    python benchmarks/quality.py            # default model, T=288, H=5, 3 seeds; about 16 min (the isolated and
+                                            # single references carried over from the last result of the same
+                                            # settings, dated: lib/quality_carry.py)
+    python benchmarks/quality.py --extended # and the references rerun on seed 0 (make bench-all; 3 min more)
     python benchmarks/quality.py --quick    # default model, T=12, H=5, 1 seed (about a minute)
     python benchmarks/quality.py --smoke    # tiny model, T=3, H=5 (used by the tests)
 
@@ -74,6 +77,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         quick="default model, fewer steps (a minute or two)",
         smoke="tiny model, a few steps (used by the tests)",
         out="folder for the JSON, the PNG and run logs",
+        extended="also rerun the isolated and single references (else carried over from the last result, dated)",
     )
     parser.add_argument("--outer-steps", type=int, help="T: outer steps (data-parallel runs T*H steps)")
     parser.add_argument("--inner-steps", type=int, help="H: inner steps per outer step")

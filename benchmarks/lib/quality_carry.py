@@ -1,6 +1,6 @@
 """The quality benchmark's references carried over: the isolated islands (island 0 of them is the single island)
 train alone, with no exchange at all, so a plain run takes them from the last result of the same settings, dated;
-`--extended` (make bench-all) reruns them. They cost 110 of quality.py's 976 s."""
+`--extended` (make bench-all) reruns them. They took 160 of quality.py's 1230 s on 2026-12-05."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 A hivemind `get(latest=True)` asks every node near the key for its whole value, and a `store` first asks the same
 nodes again (its walk for the nearest nodes carries their values too) before it stores: on a 5-node swarm each
 read or write of the run's island records moved four copies of every island's record, and each look-up or
-declaration of a group key four more messages (`benchmarks/chatter.py`: 24.5 KB of RPCs per island and round
-against a top-k payload of 30 KB on the default model). A node among the `num_replicas` nearest to a key is
+declaration of a group key four more messages (`benchmarks/chatter.py`: 24.6 KB of RPCs per island and round,
+where top-k's whole payload is about 30 KB on the default model). A node among the `num_replicas` nearest to a key is
 itself sent every store of that key, so its own storage already holds what the walk would return: such a node
 reads the key locally and stores straight to the nearest nodes its routing table knows. It does so only
 
