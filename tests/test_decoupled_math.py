@@ -454,6 +454,31 @@ def test_an_island_that_slept_drops_itself_but_an_impossible_claim_is_ignored():
     assert alone.update(3, {"a": 52, "b": 10**9}, now + 0.6, 0.2) == 52  # from then on, bounded as before
 
 
+def test_a_woken_island_whose_first_look_is_stale_still_believes_the_swarm_ahead():
+    # Frozen two minutes at step 2; the first look after waking reads records as old as itself (a replica's local
+    # storage that missed stores): no news. The next look shows the swarm 7 ahead, reached during the freeze.
+    clock, now = SwarmClock(), 1000.0
+    for step in (1, 2):
+        now += 0.5
+        clock.update(step, {"a": step, "b": step}, now, 0.5)
+    now += 120
+    assert clock.update(3, {"a": 2, "b": 2}, now, 120.5) == 3
+    assert clock.update(4, {"a": 10, "b": 11}, now + 0.5, 0.5) == 10 and clock.implausible == {}
+    # News again: from then on an impossible jump is ignored as before.
+    assert clock.update(5, {"a": 11, "b": 11, "liar": 10**6}, now + 1.0, 0.5) == 11
+    assert clock.implausible == {"liar": 10**6}
+
+
+def test_a_leader_hearing_of_a_swarm_behind_it_keeps_the_bound_current():
+    clock, now = SwarmClock(), 1000.0
+    clock.update(5, {"a": 5, "b": 5}, now, 0.5)
+    for step in range(6, 12):  # the others' claims rise behind the leader's step: each is news
+        now += 0.5
+        clock.update(step, {"a": step - 2, "b": step - 2}, now, 0.5)
+    assert clock.update(12, {"a": 10, "b": 10**3, "c": 10**3}, now + 0.5, 0.5) == 12  # two liars agreeing: too far
+    assert clock.implausible == {"b": 10**3, "c": 10**3}
+
+
 def test_only_an_island_with_a_view_of_the_swarm_names_an_impossible_claim():
     now = 1000.0
     member = {"outer_step": 9, "swarm_step": 9, "base_weight": 1.0, "ready": now, "round_s": 2.0}

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from collections.abc import Iterator
+from functools import partial
 
 import hivemind
 import pytest
+from hivemind.dht.routing import DHTID
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.net.replica import ReplicaFirstDHT
+from p2p_diloco.net.replica import HEARTBEAT_S, STALL_S, ReplicaFirstDHT
 
 
 async def _count_walk_requests(_dht, node) -> None:
@@ -127,3 +132,37 @@ def test_walking_every_operation_is_hiveminds_way(swarm: list[hivemind.DHT]) -> 
     for index in range(3):
         assert walks(mine, replicas.store, "run.islands", index, get_dht_time() + 30, f"s{index}")[1] > 0
         assert walks(mine, replicas.get, "run.islands", latest=True)[1] > 0
+
+
+async def _cache_only(_dht, node, *, key: str, subkey: str, value, expiration: float) -> None:
+    """In the DHT process: what a walk that found a newer entry elsewhere leaves when it caches the key's value."""
+    dumps = node.protocol.serializer.dumps
+    node.protocol.cache.store(DHTID.generate(source=key), dumps(value), expiration, subkey=subkey)
+
+
+def test_a_local_read_sees_what_a_walk_cached_beside_this_islands_own_newer_record(swarm: list[hivemind.DHT]) -> None:
+    mine = swarm[0]
+    replicas = ReplicaFirstDHT(mine, network_every=100)
+    assert replicas.get("run.islands", latest=True) is None  # walked: in step
+    assert replicas.store("run.islands", {"step": 1}, get_dht_time() + 60, subkey="a")
+    mine.run_coroutine(
+        partial(_cache_only, key="run.islands", subkey="b", value={"step": 2}, expiration=get_dht_time() + 30)
+    )
+    found, requests = walks(mine, lambda: replicas.get("run.islands", latest=True))
+    assert requests == 0 and subkeys(found) == {"a", "b"}, found
+
+
+def test_after_its_dht_process_stalled_a_replica_walks_before_it_reads_locally(swarm: list[hivemind.DHT]) -> None:
+    mine, other = swarm[0], swarm[1]
+    replicas = ReplicaFirstDHT(mine, network_every=100)
+    replicas.get("run.islands", latest=True)
+    assert walks(mine, lambda: replicas.get("run.islands", latest=True))[1] == 0  # in step
+    os.kill(mine.pid, signal.SIGSTOP)  # peers' requests to it time out meanwhile: they may drop it
+    try:
+        time.sleep(HEARTBEAT_S + STALL_S + 1.0)  # the stall itself, not a wait for an event
+    finally:
+        os.kill(mine.pid, signal.SIGCONT)
+    other.store("run.islands", subkey="b", value={"step": 5}, expiration_time=get_dht_time() + 30)
+    found, requests = walks(mine, lambda: replicas.get("run.islands", latest=True))
+    assert requests > 0 and subkeys(found) == {"b"}, "a stalled node's storage may have missed stores: walk first"
+    assert walks(mine, lambda: replicas.get("run.islands", latest=True))[1] == 0  # in step again

@@ -160,7 +160,11 @@ class SwarmClock:
     """An island's estimate of the swarm's clock from the run's records.
 
     Its own step, or the robust clock (K-th highest) of the other islands' claims, whichever is newer; once a clock
-    is known, claims beyond what the swarm can have reached since (`plausible_limit`) are ignored.
+    is known, claims beyond what the swarm can have reached since (`plausible_limit`) are ignored. "Since" counts
+    from the last update that brought news of the swarm (the robust clock of the claims rose, or reached this
+    island's step), not from the last look: an island woken after a freeze whose first look read records as old
+    as itself took that look for a fresh view, and for good refused the swarm 7 steps ahead as impossible, each
+    later look allowing only a round's worth of steps past the last (test_decoupled_swarm).
     """
 
     def __init__(self) -> None:
@@ -169,6 +173,8 @@ class SwarmClock:
         self.implausible: dict[Any, int] = {}
         """Claims the last update ignored or outvoted as impossible, by who made them."""
         self._recent_rounds: deque[float] = deque(maxlen=PACE_ROUNDS)
+        self._view: int | None = None
+        """The robust clock of the claims the last news brought."""
         self.heard_from_swarm = False
         """Whether any other island's claim reached this clock. Until one did, the clock is only this island's step
         and bounds nothing: a newcomer that joined while the DHT looked empty (a bootstrap that had just restarted)
@@ -186,7 +192,10 @@ class SwarmClock:
         if self.heard_from_swarm:  # then a value is set
             limit = plausible_limit(self.value, now - self.time, self.pace_s)
             claims = {who: claim for who, claim in claims.items() if claim <= limit}
-        self.value, self.time = max(own, robust_clock(list(claims.values()))), now
+        view = robust_clock(list(claims.values())) if claims else None
+        if view is not None and (self._view is None or view > self._view or view >= own):
+            self.time, self._view = now, view
+        self.value = max(own, view or 0)
         self.heard_from_swarm = self.heard_from_swarm or bool(claims)
         far = 2 * self.value + 10  # beyond any honest lead: name it even when the robust clock outvoted it
         self.implausible = {who: claim for who, claim in others.items() if who not in claims or claim > far}

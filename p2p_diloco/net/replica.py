@@ -11,6 +11,8 @@ reads the key locally and stores straight to the nearest nodes its routing table
 - when no node it knows of is nearer to the key than `num_replicas` others (it is a replica),
 - for reads, once it has walked for the key since it became a replica (values stored before that reached others,
   not it; the walk caches them here, and every later store comes here),
+- not after this node's event loop stalled (SIGSTOP, swap, an overloaded machine): a peer whose request to it timed
+  out dropped it from its routing table and stores past it until it is heard from again, so every key walks first;
 - and not in client mode (nobody stores to a client);
 
 and every `network_every`-th operation takes hivemind's full walk anyway, so that a node that does not know of a
@@ -22,11 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from functools import partial
 from typing import Any
 
 from hivemind.dht.node import DHTNode
 from hivemind.dht.routing import DHTID
+from hivemind.dht.storage import DictionaryDHTValue
 from hivemind.dht.validation import DHTRecord
 
 NETWORK_EVERY = 4
@@ -35,6 +39,53 @@ NETWORK_EVERY = 4
 
 _synced: set[DHTID] = set()
 """In the DHT process: keys this node holds a replica of and has walked for since it became one."""
+
+HEARTBEAT_S = 0.5
+"""How often the DHT process's event loop notes that it runs (`_beat`)."""
+STALL_S = 2.0
+"""A gap between heartbeats this much longer than HEARTBEAT_S counts as a stall: hivemind's DHT requests time out
+after 3 s, so a peer may have dropped this node from its routing table by then."""
+_heartbeat: dict[str, Any] = {"at": None, "task": None}
+
+
+def _check_stall() -> None:
+    """Forget which keys are in step when the event loop has not run for a stall's length, and note that it runs."""
+    now, last = time.monotonic(), _heartbeat["at"]
+    if last is not None and now - last > HEARTBEAT_S + STALL_S:
+        _synced.clear()
+    _heartbeat["at"] = now
+
+
+async def _beat() -> None:
+    while True:
+        _check_stall()
+        await asyncio.sleep(HEARTBEAT_S)
+
+
+def _forget_if_stalled() -> None:
+    """After a stall, no key counts as in step until it walked again (the heartbeat starts on first use)."""
+    _check_stall()
+    task = _heartbeat["task"]
+    if task is None or task.done():
+        _heartbeat["task"] = asyncio.create_task(_beat())
+
+
+def _fold_cache(node: DHTNode, key_id: DHTID) -> None:
+    """Merge what walks cached of a key into this replica's storage, newest entry per subkey.
+
+    hivemind caches a walk's result only when it is newer as a whole than the stored value, and a read that stops
+    at the first live value (`latest=False`) sees the storage alone: an island's own fresh record in storage hid
+    the other islands' newer records that its last walk found.
+    """
+    cached = node.protocol.cache.get(key_id)
+    if cached is None:
+        return
+    stored = node.protocol.storage.get(key_id)
+    if isinstance(cached.value, DictionaryDHTValue):
+        for subkey, (value, expiration) in cached.value.items():
+            node.protocol.storage.store(key_id, value, expiration, subkey=subkey)
+    elif stored is None or not isinstance(stored.value, DictionaryDHTValue):
+        node.protocol.storage.store(key_id, cached.value, cached.expiration_time)
 
 
 def averager_walk_every(walk_every: int) -> int:
@@ -54,6 +105,7 @@ def holds_replica(node: DHTNode, key_id: DHTID) -> bool:
 async def replica_get(_dht: Any, node: DHTNode, *, key: Any, network: bool) -> Any:
     """`DHT.get(key, latest=True)`, answered from this node's own storage when it is a replica in step with it."""
     key_id = DHTID.generate(source=key)
+    _forget_if_stalled()
     replica = holds_replica(node, key_id)
     if network or not replica or key_id not in _synced:
         found = await node.get(key, latest=True)  # hivemind caches what it found here (cache_locally)
@@ -64,6 +116,7 @@ async def replica_get(_dht: Any, node: DHTNode, *, key: Any, network: bool) -> A
         return found
     if node.protocol.storage.get(key_id) is None and node.protocol.cache.get(key_id) is None:
         return None  # every live value of the key would have been stored here: there is none
+    _fold_cache(node, key_id)
     # latest=False finishes at the first live value, and the node's own storage and cache are checked first.
     return await node.get(key, latest=False)
 
