@@ -15,8 +15,9 @@ the other so that they do not compete for the CPU.
 
     python benchmarks/quality.py            # default model, T=288, H=5, 3 seeds; about 16 min (the isolated and
                                             # single references carried over from the last result of the same
-                                            # settings, dated: lib/quality_carry.py)
-    python benchmarks/quality.py --extended # and the references rerun on seed 0 (make bench-all; 3 min more)
+                                            # settings, and each seed's data-parallel run while every source
+                                            # file it imported is unchanged, dated: lib/quality_carry.py)
+    python benchmarks/quality.py --extended # everything rerun (make bench-all; up to 11 min more)
     python benchmarks/quality.py --quick    # default model, T=12, H=5, 1 seed (about a minute)
     python benchmarks/quality.py --smoke    # tiny model, T=3, H=5 (used by the tests)
 
@@ -35,7 +36,7 @@ import time
 from pathlib import Path
 
 from lib.common import TINY, benchmark_parser, provenance, write_result
-from lib.quality_carry import REFERENCES, carried_references
+from lib.quality_carry import REFERENCES, carried_baseline, carried_references
 from lib.quality_common import ISLANDS, SYSTEMS, initial_eval, load_island_config
 from lib.quality_dp import dp_worker, run_data_parallel
 from lib.quality_islands import run_p2p, run_solo
@@ -77,7 +78,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         quick="default model, fewer steps (a minute or two)",
         smoke="tiny model, a few steps (used by the tests)",
         out="folder for the JSON, the PNG and run logs",
-        extended="also rerun the isolated and single references (else carried over from the last result, dated)",
+        extended="also rerun the references and data-parallel (else carried over from the last result, dated)",
     )
     parser.add_argument("--outer-steps", type=int, help="T: outer steps (data-parallel runs T*H steps)")
     parser.add_argument("--inner-steps", type=int, help="H: inner steps per outer step")
@@ -128,19 +129,21 @@ def settings_from(args: argparse.Namespace) -> dict:
     }
 
 
-def run_systems(settings: dict, runs: Path, references: bool = True) -> dict[str, dict]:
+def run_systems(settings: dict, runs: Path, references: bool = True, baseline: bool = True) -> dict[str, dict]:
     """The systems one after the other (so that they do not compete for the CPU), in SYSTEMS order; without
-    `references`, only data-parallel and p2p-diloco (the ratio the benchmark is about)."""
+    `references`, only data-parallel and p2p-diloco (the ratio the benchmark is about); without `baseline`, no
+    data-parallel."""
     systems: dict[str, dict] = {}
-    print("== (a) data-parallel: 4 gloo ranks ...", flush=True)
-    systems["data_parallel"] = run_data_parallel(settings, runs / "data-parallel")
+    if baseline:
+        print("== (a) data-parallel: 4 gloo ranks ...", flush=True)
+        systems["data_parallel"] = run_data_parallel(settings, runs / "data-parallel")
     print("== (c) p2p-diloco: bootstrap + 4 islands, quorum 4 ...", flush=True)
     systems["p2p_diloco"] = run_p2p(settings, runs / "p2p")
     if not references:
         return {name: systems[name] for name in SYSTEMS if name in systems}
     print("== (b) + (d) 4 isolated islands (island 0 is the single island) ...", flush=True)
     systems["isolated"], systems["single"] = run_solo(settings, runs / "solo")
-    return {name: systems[name] for name in SYSTEMS}
+    return {name: systems[name] for name in SYSTEMS if name in systems}
 
 
 def curves_from(systems: dict[str, dict], start_eval: float) -> dict[str, dict]:
@@ -208,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     finals, curves, rows = [], [], []
     plain = not (args.extended or args.smoke or args.quick)
-    carried = carried_references(args.out / "quality.json", settings) if plain else None
-    reused = False
+    previous = args.out / "quality.json"
+    carried = carried_references(previous, settings) if plain else None
+    reused, baselines = False, {}
     for number, seed in enumerate(settings["seeds"], start=1):
         print(f"== seed {seed} ({number} of {len(settings['seeds'])})", flush=True)
         seeded = {**settings, "seed": seed}
@@ -220,12 +224,22 @@ def main(argv: list[str] | None = None) -> int:
         reuse = reuse and math.isclose(carried["initial_eval_loss"] or 0.0, start_eval, rel_tol=1e-6)
         if reuse:
             print(f"== (b) + (d) carried over from the result of {carried['date'][:10]} (--extended reruns them)")
-        systems = run_systems(seeded, args.out / "quality-runs" / f"seed-{seed}", references and not reuse)
+        baseline = carried_baseline(previous, settings, seed) if plain else None
+        if baseline is not None and not math.isclose(baseline["initial_eval_loss"] or 0.0, start_eval, rel_tol=1e-6):
+            baseline = None
+        if baseline is not None:
+            print(f"== (a) data-parallel carried over from {baseline['date'][:10]}: its sources are unchanged")
+        runs = args.out / "quality-runs" / f"seed-{seed}"
+        systems = run_systems(seeded, runs, references and not reuse, baseline is None)
         curves.append(curves_from(systems, start_eval))
         if reuse:
             reused = True
             systems.update(carried["rows"])
             curves[-1].update(carried["curves"])
+        if baseline is not None:
+            baselines[seed] = baseline["date"]
+            systems["data_parallel"], curves[-1]["data_parallel"] = dict(baseline["row"]), baseline["curve"]
+        systems["data_parallel"]["curve"] = curves[-1]["data_parallel"]  # this seed's: the next run may carry it
         finals.append({name: row["final_eval_loss"] for name, row in systems.items()})
         rows.append({"seed": seed, "initial_eval_loss": start_eval, "systems": systems})
     combined = combine_seeds(settings["seeds"], finals, curves)
@@ -243,8 +257,11 @@ def main(argv: list[str] | None = None) -> int:
         "runs_by_seed": rows,
         "wall_s": time.monotonic() - started,
     }
-    if reused:
-        result["carried_over"] = {name: carried["date"] for name in REFERENCES}
+    carried_over = {name: carried["date"] for name in REFERENCES} if reused else {}
+    if baselines:
+        carried_over["data_parallel"] = min(baselines.values())
+    if carried_over:
+        result["carried_over"] = carried_over
     report(result, settings, args.out, "quality-smoke" if args.smoke else "quality")
     return 0 if all(math.isfinite(v) for v in final.values()) else 1
 

@@ -72,6 +72,13 @@ def test_quality_smoke(tmp_path: Path) -> None:
     # ... so every island held the same anchor, and island 0's eval speaks for all four
     assert data["systems"]["p2p_diloco"]["anchor_digests_agree"] is True
     assert data["systems"]["data_parallel"]["replica_max_abs_diff"] == 0.0
+    # What a later plain run needs to carry data-parallel over: this seed's curve and what its ranks imported
+    baseline = data["runs_by_seed"][0]["systems"]["data_parallel"]
+    assert baseline["curve"]["eval_loss"] == data["curves"]["data_parallel"]["eval_loss"]
+    assert len(baseline["source_digest"]) == 64
+    assert {"p2p_diloco/train/model.py", "p2p_diloco/diloco/inner.py", "benchmarks/quality.py"} <= set(
+        baseline["sources"]
+    )
     assert (tmp_path / "quality-smoke.png").read_bytes()[:4] == b"\x89PNG"
 
 
@@ -127,3 +134,34 @@ def test_a_plain_quality_run_carries_the_references_of_one_seed_over_only_from_t
     previous.write_text(json.dumps({**old, "seeds_by_system": {"isolated": [0, 1], "single": [0, 1]}}))
     assert carried_references(previous, settings) is None
     assert carried_references(tmp_path / "missing.json", settings) is None
+
+
+def test_data_parallel_is_carried_over_only_while_every_source_its_ranks_imported_is_unchanged(
+    tmp_path: Path,
+) -> None:
+    from lib.quality_carry import carried_baseline, source_digest
+
+    settings = {"outer_steps": 288, "inner_steps": 5, "eval_batches": 8, "eval_every": 8, "island_lr": 2.5e-3}
+    settings.update(dp_lr=2.5e-3, outer_lr=1.0, outer_momentum=0.0, config=None, seeds=[0, 1, 2])
+    sources = ["p2p_diloco/train/model.py", "benchmarks/lib/quality_dp.py"]
+    curve = {"tokens": [0, 10], "eval_loss": [5.0, 2.0], "inner_steps_per_worker": [0, 5]}
+    row = {"final_eval_loss": 2.0, "date": "2026-12-05T03:50:12", "curve": curve, "sources": sources}
+    row["source_digest"] = source_digest(sources)
+    runs = [{"seed": seed, "initial_eval_loss": 5.0 + seed, "systems": {"data_parallel": row}} for seed in (0, 1)]
+    previous = tmp_path / "quality.json"
+
+    def carried(seed: int = 1, **changed) -> dict | None:
+        data = {"date": "2026-12-06", "settings": settings, "runs_by_seed": runs}
+        previous.write_text(json.dumps({**data, **changed}))
+        return carried_baseline(previous, settings, seed)
+
+    baseline = carried()
+    assert baseline["initial_eval_loss"] == 6.0 and baseline["curve"] == curve
+    assert baseline["date"] == "2026-12-05T03:50:12" and "curve" not in baseline["row"]
+    assert carried(seed=2) is None  # not run on that seed
+    assert carried(settings={**settings, "dp_lr": 3e-3}) is None
+    tampered = [{**run, "systems": {"data_parallel": {**row, "source_digest": "0" * 64}}} for run in runs]
+    assert carried(runs_by_seed=tampered) is None, "a source edited since the run: rerun it"
+    gone = [{**run, "systems": {"data_parallel": {**row, "sources": [*sources, "p2p_diloco/gone.py"]}}} for run in runs]
+    assert carried(runs_by_seed=gone) is None
+    assert carried_baseline(tmp_path / "missing.json", settings, 0) is None

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from lib.common import BENCHMARKS
+from lib.quality_carry import loaded_sources, source_digest
 from lib.quality_common import ISLANDS, Progress, check_codes, load_island_config, read_jsonl, timeout_for
 
 SCRIPT = BENCHMARKS / "quality.py"
@@ -125,8 +126,8 @@ def dp_worker(rank: int, world: int, rendezvous: str, settings: dict, metrics_pa
             model = train_rank(rank, world, config, metrics)
             # Every rank must hold the same weights: the spread across ranks of every parameter is zero
             spread = replica_spread(model)
-            if rank == 0:
-                metrics.write(json.dumps({"replica_max_abs_diff": spread}) + "\n")
+            if rank == 0:  # and what the run depends on: quality_carry.py carries it over while they are unchanged
+                metrics.write(json.dumps({"replica_max_abs_diff": spread, "sources": loaded_sources()}) + "\n")
         dist.barrier()  # no rank tears down while another still talks to it
         return 0
     finally:
@@ -184,7 +185,8 @@ def run_data_parallel(settings: dict, folder: Path) -> dict:
     if any(codes):
         print(f"  warning: data-parallel ranks exited with {codes} after finishing training", flush=True)
     evals = [r for r in records if "eval_loss" in r]
-    spread = next((r["replica_max_abs_diff"] for r in records if "replica_max_abs_diff" in r), None)
+    last = next((r for r in records if "replica_max_abs_diff" in r), {})
+    sources = last.get("sources", [])
     return {
         "curve": {
             "tokens": [r["tokens"] for r in evals],
@@ -194,7 +196,10 @@ def run_data_parallel(settings: dict, folder: Path) -> dict:
         "final_eval_loss": evals[-1]["eval_loss"],
         "total_tokens": evals[-1]["tokens"],
         "steps": evals[-1]["step"],
-        "replica_max_abs_diff": spread,
+        "replica_max_abs_diff": last.get("replica_max_abs_diff"),
         "exit_codes": codes,
         "wall_s": wall,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sources": sources,
+        "source_digest": source_digest(sources) if sources else None,
     }
