@@ -13,10 +13,11 @@ Every system starts from the same initial weights (model seed), island / rank i 
 island's batch-order seed, and every eval uses the same held-out tail of the corpus. The systems run one after
 the other so that they do not compete for the CPU.
 
-    python benchmarks/quality.py            # default model, T=288, H=5, 3 seeds; about 16 min (the isolated and
+    python benchmarks/quality.py            # default model, T=288, H=5, 3 seeds; about 11 min (the isolated and
                                             # single references carried over from the last result of the same
                                             # settings, and each seed's data-parallel run while every source
-                                            # file it imported is unchanged, dated: lib/quality_carry.py)
+                                            # file it imported is unchanged, dated: lib/quality_carry.py;
+                                            # 19 min when data-parallel runs)
     python benchmarks/quality.py --extended # everything rerun (make bench-all; up to 11 min more)
     python benchmarks/quality.py --quick    # default model, T=12, H=5, 1 seed (about a minute)
     python benchmarks/quality.py --smoke    # tiny model, T=3, H=5 (used by the tests)
