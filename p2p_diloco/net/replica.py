@@ -108,7 +108,7 @@ async def replica_get(_dht: Any, node: DHTNode, *, key: Any, network: bool) -> A
     _forget_if_stalled()
     replica = holds_replica(node, key_id)
     if network or not replica or key_id not in _synced:
-        found = await node.get(key, latest=True)  # hivemind caches what it found here (cache_locally)
+        found = await node.get(key, latest=True)  # merged into storage, or cached: `_fold_cache`
         if replica:
             _synced.add(key_id)
         else:
