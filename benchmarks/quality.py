@@ -29,17 +29,14 @@ the final losses and curves are means over seeds, with every seed's numbers and 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
-import sys
 import time
 from pathlib import Path
 
 from lib.common import TINY, benchmark_parser, provenance, write_result
 from lib.quality_carry import REFERENCES, carried_baseline, carried_references
 from lib.quality_common import ISLANDS, SYSTEMS, initial_eval, load_island_config
-from lib.quality_dp import dp_worker, run_data_parallel
+from lib.quality_dp import run_data_parallel
 from lib.quality_islands import run_p2p, run_solo
 from lib.quality_report import plot, table
 from lib.quality_seeds import combine_seeds
@@ -73,7 +70,7 @@ ISLAND_LR, DP_LR = 2.5e-3, 2.5e-3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """The benchmark's flags, and the hidden ones of one data-parallel rank."""
+    """The benchmark's flags."""
     parser = benchmark_parser(
         __doc__,
         quick="default model, fewer steps (a minute or two)",
@@ -99,11 +96,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--outer-lr", type=float, default=OUTER_LR, help="outer learning rate of every island")
     parser.add_argument("--outer-momentum", type=float, default=OUTER_MOMENTUM, help="outer Nesterov momentum")
     parser.add_argument("--config", help="peer TOML config (default: p2p_diloco defaults; --smoke: peers/tiny.toml)")
-    # internal: one data-parallel rank
-    parser.add_argument("--dp-worker", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--dp-rendezvous", help=argparse.SUPPRESS)
-    parser.add_argument("--dp-settings", help=argparse.SUPPRESS)
-    parser.add_argument("--dp-metrics", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -194,12 +186,6 @@ def describe(settings: dict, config, start_eval: float) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run the four systems one after the other and write quality.json and quality.png."""
     args = parse_args(argv)
-    if args.dp_worker is not None:
-        settings = json.loads(args.dp_settings)
-        code = dp_worker(args.dp_worker, ISLANDS, args.dp_rendezvous, settings, Path(args.dp_metrics))
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # skip interpreter teardown, where gloo's threads can abort() in static destructors
 
     settings = settings_from(args)
     config = load_island_config(settings, 0)
