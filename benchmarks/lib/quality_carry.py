@@ -5,7 +5,8 @@
   from the last result of the same settings. They took 160 of quality.py's 1230 s on 2026-12-05.
 - Data-parallel, the baseline, runs none of p2p-diloco's swarm: a seed's run is carried over only while every
   repository file its ranks imported, and torch's version, are byte-identical to the run's (`source_digest`), like
-  a build cache. It took 470 of quality.py's 1230 s (3 seeds).
+  a build cache. It took 495 of quality.py's 1123 s (3 seeds) on 2026-12-05. Its ranks run lib/dp_rank.py, which
+  imports training code only, so an edit to the benchmark's reporting keeps the baseline.
 """
 
 from __future__ import annotations
