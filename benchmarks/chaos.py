@@ -32,6 +32,7 @@ from lib.common import TINY, benchmark_parser, provenance, write_result
 from lib.cpu_quota import CpuQuotas
 
 from p2p_diloco.cli.launcher import LocalSwarm, PeerProcess
+from p2p_diloco.island.ownership import LOCK_NAME
 
 MODES = {"decoupled": [], "synchronous": ["--quorum", "{n}", "--averaging-timeout", "60"], "standby": []}
 EXTENDED_MODES = {"standby"}
@@ -126,10 +127,7 @@ class ChaosSwarm:
         args = ["--shard-index", str(index), "--num-shards", str(self.islands), "--outer-steps", "100000"]
         args += ["--time-budget-s", str(max(1.0, remaining)), "--inner-steps", str(self.inner_steps)]
         args += ["--target-group-size", str(self.islands), "--next-chunk-timeout", "3", "--batch-size", "8", *flags]
-        island = self.swarm.peer(f"island-{index}", *args, config=self.config, command_prefix=self.quotas.prefix(index))
-        if self.mode == "standby":
-            self.start_standby(index)
-        return island
+        return self.swarm.peer(f"island-{index}", *args, config=self.config, command_prefix=self.quotas.prefix(index))
 
     def start_standby(self, index: int) -> None:
         """A standby for island `index`: its flags, no budget of its own (the harness stops it at the end)."""
@@ -149,6 +147,10 @@ class ChaosSwarm:
             self.started, self.deadline_wall = time.monotonic(), time.time() + self.budget
             for index in range(self.islands):
                 self.start(index, self.budget)
+            if self.mode == "standby":  # each once its island holds the folder: it would take a free one itself
+                for index in range(self.islands):
+                    wait_until_folder_held(self.island(index))
+                    self.start_standby(index)
             faults = self.inject(schedule.events if schedule else [])
             if self.mode == "standby":
                 self.stop_at_deadline()
@@ -183,6 +185,24 @@ class ChaosSwarm:
             elif action in ("stop", "cont") and island.running:
                 island.signal_group(signal.SIGSTOP if action == "stop" else signal.SIGCONT)
         return faults
+
+
+def wait_until_folder_held(peer: PeerProcess, timeout: float = 120.0) -> bool:
+    """Whether `peer`'s process took its checkpoint folder (the lock file names its pid) before it ended or `timeout`.
+
+    flock offers no notification, and a probe of the lock would itself make the island's own attempt fail: this
+    reads the owner the island writes into the lock file once it holds it.
+    """
+    lock, owner = peer.checkpoint_dir / LOCK_NAME, f"pid {peer.process.pid} "
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and peer.running:
+        try:
+            if lock.read_text().startswith(owner):
+                return True
+        except OSError:
+            pass  # not created yet
+        time.sleep(0.05)
+    return False
 
 
 def useful_tokens(records: dict[int, list[dict]], until: float = float("inf")) -> int:
