@@ -18,6 +18,13 @@ from lib.quality_common import ISLANDS, Progress, check_codes, read_jsonl, timeo
 from lib.source_digest import source_digest
 
 
+def _with_benchmarks_on_path(environment: dict[str, str]) -> dict[str, str]:
+    """`environment` with benchmarks/ first on PYTHONPATH, so that `python -m lib.dp_rank` runs from any folder (an
+    empty entry would put the working folder on the ranks' path)."""
+    path = [str(BENCHMARKS), *filter(None, environment.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**environment, "PYTHONPATH": os.pathsep.join(path)}
+
+
 def _start_ranks(
     settings: dict, store: Path, metrics: Path, logs: list[Path], children: list[subprocess.Popen]
 ) -> None:
@@ -32,10 +39,7 @@ def _start_ranks(
             children.append(
                 subprocess.Popen(
                     command,
-                    env={
-                        **os.environ,
-                        "PYTHONPATH": os.pathsep.join([str(BENCHMARKS), os.environ.get("PYTHONPATH", "")]),
-                    },
+                    env=_with_benchmarks_on_path(dict(os.environ)),
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
