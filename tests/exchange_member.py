@@ -30,13 +30,18 @@ def member_vector(seed: int, size: int) -> torch.Tensor:
 
 def cut_reply_streams(after: int) -> None:
     """Fault injection: as a reducer, stop replying to one sender after `after` parts while still reducing every
-    part it sends, as when a reply stream breaks in transit. Patched before the averager's process forks."""
+    part it sends, as when a reply stream breaks in transit. Patched before the averager's process forks. The sender
+    is chosen by peer id, not by its place in the group: a group attempt that falls through (a loaded machine) is
+    retried with the group shuffled, and the retry must cut the same sender (CI once saw two senders cut)."""
     from p2p_diloco.net.allreduce import StrictAllReduceRunner
 
     original = StrictAllReduceRunner._accumulate_parts_streaming
 
+    def victim_index(runner: StrictAllReduceRunner) -> int:
+        return runner.sender_peer_ids.index(min(peer for peer in runner.sender_peer_ids if peer != runner.peer_id))
+
     async def cut(self, stream, sender_index: int):
-        victim = next(index for index, peer in enumerate(self.sender_peer_ids) if peer != self.peer_id)
+        victim = victim_index(self)
         replies = 0
         async for message in original(self, stream, sender_index):
             if sender_index != victim or replies < after:
@@ -47,8 +52,7 @@ def cut_reply_streams(after: int) -> None:
     original_lane = StrictAllReduceRunner.reduce_from_lane
 
     async def cut_lane(self, lane, sender_index: int) -> None:
-        victim = next(index for index, peer in enumerate(self.sender_peer_ids) if peer != self.peer_id)
-        if sender_index == victim:
+        if sender_index == victim_index(self):
             send, replies = lane.send, [0]
 
             async def lossy_send(part_index, kind, payload, weight=0.0):

@@ -289,7 +289,8 @@ def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays
     assert sum(bool(cut.search(text)) for text in texts[:2]) == 1, texts
     assert sum("sent the missing parts again: the round is complete" in text for text in texts[:2]) == 1
     assert "parts 1.. of its round again" in texts[2]
-    assert [result["repairs"] for result in results[:2]].count(1) == 1 and results[2]["repairs"] == 0
+    # One repair per round attempt: a loaded machine may retry a group attempt that fell through after its repair.
+    assert sorted(min(result["repairs"], 1) for result in results[:2]) == [0, 1] and results[2]["repairs"] == 0
     # Lanes opened so far (a loaded machine's member may have opened one more in a group attempt that fell through).
     assert all((result["lanes"] >= 2) if lanes == "on" else (result["lanes"] == 0) for result in results), results
 
