@@ -6,11 +6,12 @@ true`: a killed island's standby takes over at once), each also once without fau
 goodput (useful training tokens per second summed over islands, relative to the same mode without faults),
 the final eval loss, the time from a restart to the restarted island's first merged round, and whether any
 island exited with an error it should have survived. Each island runs under a CPU quota of the machine's cores /
-islands (`--island-cpus`, `lib/cpu_quota.py`), as on a machine of its own: without one, a dead island's CPU sped the
-others up and a restarting island's imports slowed them down.
+islands (`--island-cpus`, `lib/cpu_quota.py`, in 10 ms periods), as on a machine of its own: without one, a dead
+island's CPU sped the others up and a restarting island's imports slowed them down.
 
     python benchmarks/chaos.py            # 5 islands, 90 s per run, 6 runs (about 11 minutes)
     python benchmarks/chaos.py --extended # and the standby mode's 2 runs (make bench-all; about 14 minutes)
+    python benchmarks/chaos.py --modes standby  # one mode; the others carried over from the last result
     python benchmarks/chaos.py --quick    # 3 islands, 30 s per run
     python benchmarks/chaos.py --smoke    # 3 islands, tiny model, short runs (used by the tests)
 """
@@ -443,12 +444,13 @@ CARRIED_KEYS = (
 
 def carry_over(result: dict, previous: Path, skipped: list[str]) -> dict:
     """The `skipped` modes' figures and runs from the `previous` result when it ran the same schedule on as many
-    islands, each mode dated in `carried_over`; the result unchanged otherwise."""
+    islands under the same CPU quotas, each mode dated in `carried_over`; the result unchanged otherwise."""
     if not skipped or not previous.exists():
         return result
     old = json.loads(previous.read_text())
-    same = json.loads(json.dumps([result["schedule"], result["islands"], result["budget_s"]]))
-    if [old.get("schedule"), old.get("islands"), old.get("budget_s")] != same:
+    keys = ("schedule", "islands", "budget_s", "island_cpus", "cpu_quota_period_ms")
+    same = json.loads(json.dumps([result.get(key) for key in keys]))
+    if [old.get(key) for key in keys] != same:
         return result
     found = [mode for mode in skipped if mode in old.get("goodput", {})]
     carried = {mode: old.get("carried_over", {}).get(mode, old.get("date")) for mode in found}
@@ -456,6 +458,14 @@ def carry_over(result: dict, previous: Path, skipped: list[str]) -> dict:
         result[key] = {**result[key], **{mode: old[key][mode] for mode in found if mode in old.get(key, {})}}
     result["runs"] = result["runs"] + [run for run in old.get("runs", []) if run["mode"] in found]
     return {**result, "carried_over": carried} if carried else result
+
+
+def modes_to_run(only: list[str] | None, *, extended: bool) -> tuple[str, ...]:
+    """The modes a run measures, in MODES' order: `only` (--modes) if given, else all but the extended ones unless
+    `extended`."""
+    if only:
+        return tuple(mode for mode in MODES if mode in only)
+    return tuple(mode for mode in MODES if extended or mode not in EXTENDED_MODES)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -473,6 +483,12 @@ def main(argv: list[str] | None = None) -> int:
         help="CPU quota per island in cores, as on machines of their own (default: this machine's cores / islands; "
         "0: none, islands share the machine's cores)",
     )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=tuple(MODES),
+        help="run only these modes; the others' figures are carried over from the last result of the same schedule",
+    )
     args = parser.parse_args(argv)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     islands, budget, kill_every, restart_after, stop_every, stop_for = PRESETS[preset]
@@ -483,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     cpus = (os.cpu_count() or 1) / islands if args.island_cpus is None else args.island_cpus
     quotas = CpuQuotas("p2p-chaos", cpus)
     print(f"CPU per island: {cpus:.2f} cores, {quotas.mode}", flush=True)
-    modes = tuple(mode for mode in MODES if args.extended or args.smoke or mode not in EXTENDED_MODES)
+    modes = modes_to_run(args.modes, extended=args.extended or args.smoke)
     runs = run_all(schedule, islands, budget, smoke=args.smoke, out=args.out, quotas=quotas, pairs=pairs, modes=modes)
     result = {
         **provenance("chaos.py", argv),
@@ -492,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         "schedule": {"seed": args.seed, **timing, "events": schedule.events},
         "island_cpus": cpus if quotas.active else None,
         "cpu_quota": quotas.mode,
+        "cpu_quota_period_ms": quotas.period_us / 1000 if quotas.active else None,
         **summarise(runs, islands, budget),
         "runs": runs,
     }

@@ -58,12 +58,22 @@ def exchange(data: dict) -> str:
             row["seconds"],
             row.get("gb_per_s"),
             row.get("ratio_to_gloo"),
+            row.get("seconds_whole_call"),
             row.get("speedup_vs_hivemind"),
+            row.get("speedup_vs_hivemind_step"),
         ]
         for row in data["rows"]
     ]
-    header = ["values", "peers", "system", "codec", "seconds/round", "GB/s", "x gloo fp32", "speedup vs hivemind"]
+    header = ["values", "peers", "system", "codec", "seconds/round", "GB/s", "x gloo fp32", "vector to vector s"]
+    header += ["speedup vs hivemind", "vs hivemind's step alone"]
     text = table(header, rows)
+    if any(row.get("speedup_vs_hivemind_step") for row in data["rows"]):
+        text += (
+            "\n\nseconds/round: gloo's all_reduce after a barrier; hivemind's step() alone; ours the whole "
+            "GossipExchange.average() call, its copy in and clone out included. Vector to vector: each peer's vector "
+            "in, the averaged vector out, copies included on every side. The speed-up over stock hivemind compares "
+            "that same work; the last column, hivemind's step() alone against our whole call."
+        )
     costs = data.get("codec_ms_per_million")
     if costs:
         text += "\n\nCodec CPU on one core, ms per million values: " + ", ".join(

@@ -35,8 +35,11 @@ def test_an_island_runs_under_its_cpu_quota_and_the_group_goes_with_the_run() ->
         shown = subprocess.run([*quotas.prefix(1), "cat", "/proc/self/cgroup"], capture_output=True, text=True)
         group = quotas.groups[1]
         assert shown.returncode == 0 and group.name in shown.stdout, shown
-        quota = group / ("cpu.cfs_quota_us" if "v1" in quotas.mode else "cpu.max")
-        assert quota.read_text().split()[0] == "25000"
+        if "v1" in quotas.mode:
+            written = [(group / name).read_text().strip() for name in ("cpu.cfs_quota_us", "cpu.cfs_period_us")]
+        else:
+            written = (group / "cpu.max").read_text().split()
+        assert written == [str(quotas.period_us // 4), str(quotas.period_us)] and quotas.period_us == 10_000
     finally:
         quotas.close()
     assert not group.exists()
@@ -103,6 +106,31 @@ def test_a_plain_run_carries_the_standby_figures_over_dated_and_only_from_the_sa
     # Carried twice, the figures keep the date they were measured on.
     previous.write_text(json.dumps({**merged, "date": "2026-12-06T00:00:00"}))
     assert carry_over(dict(new), previous, ["standby"])["carried_over"] == {"standby": "2026-12-05T04:04:39"}
-    # Another schedule, or nothing skipped: nothing is carried.
+    # Another schedule or CPU quota, or nothing skipped: nothing is carried.
     assert "carried_over" not in carry_over({**new, "islands": 3}, previous, ["standby"])
+    assert "carried_over" not in carry_over({**new, "cpu_quota_period_ms": 10.0}, previous, ["standby"])
     assert "carried_over" not in carry_over(dict(new), previous, [])
+
+
+def test_modes_picks_the_modes_a_run_measures_and_the_rest_are_carried_over(tmp_path: Path) -> None:
+    from chaos import CARRIED_KEYS, MODES, carry_over, modes_to_run
+
+    assert modes_to_run(None, extended=False) == ("decoupled", "synchronous")
+    assert modes_to_run(None, extended=True) == tuple(MODES)
+    assert modes_to_run(["standby", "decoupled"], extended=False) == ("decoupled", "standby")
+    schedule = {"seed": 0, "events": [[30.0, "kill", 3]]}
+    figures = {key: {mode: f"{key} of {mode}" for mode in MODES} for key in CARRIED_KEYS}
+    old = {"date": "2026-12-05T04:04:39", "schedule": schedule, "islands": 5, "budget_s": 90.0, **figures}
+    old["runs"] = [{"mode": mode, "faults": True} for mode in MODES]
+    previous = tmp_path / "chaos.json"
+    previous.write_text(json.dumps(old))
+    new = {key: {"standby": 0.9} for key in CARRIED_KEYS}
+    new.update(schedule=schedule, islands=5, budget_s=90.0, runs=[{"mode": "standby", "faults": True}])
+    skipped = [mode for mode in MODES if mode not in modes_to_run(["standby"], extended=False)]
+    merged = carry_over(new, previous, skipped)
+    assert merged["goodput"] == {
+        "standby": 0.9,
+        "decoupled": "goodput of decoupled",
+        "synchronous": "goodput of synchronous",
+    }
+    assert merged["carried_over"] == {"decoupled": old["date"], "synchronous": old["date"]}

@@ -10,15 +10,21 @@ from lib.exchange_worker import SYSTEMS
 
 def add_ratios(rows: list[dict]) -> None:
     """Set every row's ratio_to_gloo (its seconds over gloo's fp32 at the same values and peers) and, for
-    p2p_diloco, speedup_vs_hivemind (stock hivemind's seconds with the same codec over its own)."""
+    p2p_diloco, speedup_vs_hivemind: stock hivemind's time for the same work with the same codec (a vector in, the
+    averaged vector out: its copies into and out of the averager included, as in our seconds) over ours, and
+    speedup_vs_hivemind_step: stock hivemind's step() alone (its copies excluded) over our whole call."""
     gloo = {(r["values"], r["peers"]): r["seconds"] for r in rows if r["system"] == "gloo"}
-    stock = {(r["values"], r["peers"], r.get("codec")): r["seconds"] for r in rows if r["system"] == "hivemind"}
+    stock = {(r["values"], r["peers"], r.get("codec")): r for r in rows if r["system"] == "hivemind"}
     for row in rows:
         reference = gloo.get((row["values"], row["peers"]))
         row["ratio_to_gloo"] = row["seconds"] / reference if row.get("seconds") and reference else None
         if row["system"] == "p2p_diloco":
-            hivemind = stock.get((row["values"], row["peers"], row.get("codec")))
-            row["speedup_vs_hivemind"] = hivemind / row["seconds"] if row.get("seconds") and hivemind else None
+            hivemind = stock.get((row["values"], row["peers"], row.get("codec")), {})
+            ours = row.get("seconds_whole_call") or row.get("seconds")
+            theirs = hivemind.get("seconds_whole_call")
+            row["speedup_vs_hivemind"] = theirs / ours if ours and theirs else None
+            step = hivemind.get("seconds")
+            row["speedup_vs_hivemind_step"] = step / row["seconds"] if row.get("seconds") and step else None
 
 
 def _phase_line(r: dict) -> str:

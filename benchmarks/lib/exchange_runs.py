@@ -346,6 +346,9 @@ def summarise_rounds(records: list[list[dict]], values: int) -> dict:
         ),
         "seconds_per_round": per_round,
         "seconds_min": min(per_round),
+        "seconds_whole_call": statistics.median(
+            max(record.get("seconds_with_copies", record["seconds"]) for record in results) for results in records
+        ),
         "groups": sorted({r["group"] for results in records for r in results}),
         "phases_s": {
             key: phase(key)

@@ -32,7 +32,7 @@ def _exchange(data: dict, results: dict) -> list[Row]:
             key = (worst["values"], worst["peers"])
             own_fp32 = ours.get(("fp32", *key), {}).get("seconds")
             if codec != "fp32" and own_fp32 and worst.get("codec_s_estimate"):
-                stock = worst["seconds"] * worst["speedup_vs_hivemind"]
+                stock = (worst.get("seconds_whole_call") or worst["seconds"]) * worst["speedup_vs_hivemind"]
                 stock_codec = next(
                     (
                         r.get("codec_s_estimate")

@@ -13,7 +13,7 @@ import hivemind
 from p2p_diloco.config import NetworkConfig
 from p2p_diloco.errors import NetworkUnreachableError, UserError
 from p2p_diloco.net.dht_guard import MembershipAuthorizer, record_validators
-from p2p_diloco.net.identity import ensure_identity, load_identity
+from p2p_diloco.net.identity import ensure_identity, generated_here, load_identity
 from p2p_diloco.net.membership import Membership
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals
 from p2p_diloco.timeouts import BOOTSTRAP_TIMEOUT_S, DHT_STOP_S
@@ -105,6 +105,8 @@ def launch_dht(
     identity = ensure_identity(identity)
     key = load_identity(identity)
     kwargs: dict = {"host_maddrs": host_maddrs, "identity_path": identity, "client_mode": client_mode}
+    # Whether another running peer holds the identity: only a key this process did not generate may be held.
+    kwargs["check_if_identity_free"] = not generated_here(identity)
     if announce_maddrs:
         kwargs["announce_maddrs"] = announce_maddrs
     if membership is not None:
