@@ -21,7 +21,9 @@ PERIOD_US = 10_000
 runs nothing until the next one: a standby warming up at SCHED_IDLE in the time its island waits for partners
 spends quota the island then lacks, and a throttled island answers no message until the period ends. A machine of
 its own has neither effect; the kernel's default 100 ms period made both up to 100 ms long, a 10 ms one bounds
-them to 10 ms (the kernel accepts 1 ms and up)."""
+them to 10 ms (the kernel accepts 1 ms and up). Measured in chaos.py, the change moved no goodput beyond its
+run-to-run spread (decoupled 0.78 against 0.76), and standbys still cost their islands' clean run about a quarter
+of its tokens."""
 
 
 def _writable_v1() -> bool:
