@@ -115,10 +115,11 @@ def describe(args: argparse.Namespace, rounds: int) -> dict:
             "seconds": "median over timed rounds of the slowest peer's time for the round. gloo: barrier, then "
             "all_reduce + divide. hivemind: DecentralizedAverager.step() call to its result (copies in/out "
             "excluded). p2p_diloco: the whole GossipExchange.average() call (copy-in, matchmaking, "
-            "all-reduce, clone of the result)",
+            "all-reduce, copy of the result into the caller's buffer, `out`)",
             "seconds_whole_call": "median over timed rounds of the slowest peer's time from its vector to the "
-            "averaged vector in its hands: hivemind's copy into the averager, step() and copy out; p2p_diloco's "
-            "seconds (GossipExchange.average() does the same copies); gloo's copy-in and all_reduce",
+            "averaged vector in its hands: hivemind's copy into the averager, step() and copy out into a buffer kept "
+            "across rounds; p2p_diloco's seconds (GossipExchange.average() does the same copies, its `out` the "
+            "same kind of buffer); gloo's copy-in and all_reduce",
             "speedup_vs_hivemind": "stock hivemind's seconds_whole_call with the same codec over ours: the same "
             "work on both sides",
             "speedup_vs_hivemind_step": "stock hivemind's seconds (step() alone, its copies excluded) over ours "
@@ -128,7 +129,7 @@ def describe(args: argparse.Namespace, rounds: int) -> dict:
             "correct": f"every peer's result within {TOLERANCE} (max abs) of the true mean in every timed round",
             "phases_s": "mean over peers, median over rounds; matchmaking_s = step() call until the stage is "
             "RUNNING_ALLREDUCE (p2p_diloco: includes the copy-in), allreduce_s = from then to the result "
-            "(p2p_diloco: includes the clone of the result)",
+            "(p2p_diloco: includes the copy of the result out)",
             "cpu_s_per_round": "CPU seconds of all peers' processes by role (main, averager, dht, p2pd) per "
             "timed round; cpu_busy_fraction = that over wall time x cores",
             "other_load_cpu_s_per_round": "CPU used by other processes on the machine meanwhile",

@@ -70,9 +70,10 @@ def exchange(data: dict) -> str:
     if any(row.get("speedup_vs_hivemind_step") for row in data["rows"]):
         text += (
             "\n\nseconds/round: gloo's all_reduce after a barrier; hivemind's step() alone; ours the whole "
-            "GossipExchange.average() call, its copy in and clone out included. Vector to vector: each peer's vector "
-            "in, the averaged vector out, copies included on every side. The speed-up over stock hivemind compares "
-            "that same work; the last column, hivemind's step() alone against our whole call."
+            "GossipExchange.average() call, its copy in and copy out included. Vector to vector: each peer's vector "
+            "in, the averaged vector out in a buffer kept across rounds, copies included on every side. The speed-up "
+            "over stock hivemind compares that same work; the last column, hivemind's step() alone against our "
+            "whole call."
         )
     costs = data.get("codec_ms_per_million")
     if costs:

@@ -64,18 +64,21 @@ def main() -> None:
                 compression=get_compression(codec),
             )
             exchanges.append((label, codec, int(size), exchange))
+        # Every round's merge lands in one buffer, as an island's does (GossipExchange.average's `out`).
+        landing = torch.full((max(size for _, _, size, _ in exchanges),), float("nan"))
         for label, codec, size, exchange in exchanges:
             print(f"PREPARED {label}", flush=True)
             assert sys.stdin.readline().strip() == "GO"
             vector = round_vector(args.seed, size, label)
-            result = exchange.average(vector, {"codec": codec}, weight=1.0, grace_s=2.0, timeout=40.0)
+            result = exchange.average(vector, {"codec": codec}, weight=1.0, grace_s=2.0, timeout=40.0, out=landing)
             found = strangers({"codec": codec}, result.partners, keys=("codec",))
             mismatch = f"codec mismatch: {describe_strangers({'codec': codec}, found)}" if found else None
             if result.merged is not None:
-                torch.save(result.merged, args.out / f"{label}-{args.seed}.pt")
+                torch.save(result.merged.clone(), args.out / f"{label}-{args.seed}.pt")
             record = {
                 "label": label,
                 "merged": result.merged is not None,
+                "in_out": result.merged is not None and result.merged.data_ptr() == landing.data_ptr(),
                 "group": len(result.partners) + 1,
                 "error": result.error,
                 "mismatch": mismatch,

@@ -166,6 +166,7 @@ def test_codec_averages_among_live_peers_to_the_true_mean(
     for _, record in merged:
         assert record["group"] == len(SEEDS), record
         assert record["mismatch"] is None, record
+        assert record["in_out"], f"the merge was not written into the caller's buffer: {record}"
     for record in records:
         if not record["merged"]:
             assert record["error"], record

@@ -50,13 +50,18 @@ class FakeExchange:
         self.downloads: list[list[str] | None] = []
         self.check_max_step = False
         self.group_targets: list[int | None] = []
+        self.size = 1 << 20
 
     def average(
-        self, payload, metadata, *, weight, grace_s, timeout, schema_tag=None, group_target=None
+        self, payload, metadata, *, weight, grace_s, timeout, schema_tag=None, group_target=None, out=None
     ) -> ExchangeResult:
         self.sent.append((payload.clone(), dict(metadata), weight))
         self.group_targets.append(group_target)
-        return self.rounds.pop(0)(payload, metadata)
+        result = self.rounds.pop(0)(payload, metadata)
+        if out is not None and result.merged is not None:  # as GossipExchange: the merge lands in the caller's buffer
+            merged = result.merged.reshape(-1)
+            result.merged = out[: merged.numel()].copy_(merged)
+        return result
 
     def load_state(self, timeout: float, peers=None, **checks):
         self.downloads.append(peers)

@@ -57,7 +57,7 @@ def max_error(result: Any, expected: Any) -> float | None:
     return error if math.isfinite(error) else None
 
 
-def _hivemind_round(averager: Any, vector: Any) -> tuple[dict, Any]:
+def _hivemind_round(averager: Any, vector: Any, out: Any) -> tuple[dict, Any]:
     from hivemind.averaging.control import AveragingStage
 
     t0 = time.perf_counter()
@@ -76,7 +76,7 @@ def _hivemind_round(averager: Any, vector: Any) -> tuple[dict, Any]:
         error, group = f"{type(exc).__name__}: {exc}", 0
     t_done = time.perf_counter()
     with averager.get_tensors() as tensors:
-        result = tensors[0].clone()
+        result = out.copy_(tensors[0])  # into a buffer kept across rounds, as our exchange's `out`
     t_out = time.perf_counter()
     return {
         "seconds": t_done - t_in,
@@ -90,15 +90,15 @@ def _hivemind_round(averager: Any, vector: Any) -> tuple[dict, Any]:
     }, (result if error is None else None)
 
 
-def _p2p_round(exchange: Any, vector: Any) -> tuple[dict, Any]:
+def _p2p_round(exchange: Any, vector: Any, out: Any) -> tuple[dict, Any]:
     t0 = time.perf_counter()
-    result = exchange.average(vector, {}, weight=1.0, grace_s=0.0, timeout=STEP_TIMEOUT)
+    result = exchange.average(vector, {}, weight=1.0, grace_s=0.0, timeout=STEP_TIMEOUT, out=out)
     t1 = time.perf_counter()
     return {
-        # The whole API call: copy-in, matchmaking, all-reduce (with backup and checks), clone of the result.
+        # The whole API call: copy-in, matchmaking, all-reduce (with backup and checks), copy of the result out.
         "seconds": t1 - t0,
         "matchmaking_s": result.matchmaking_s,  # includes the copy into the averager's buffer
-        "allreduce_s": (t1 - t0) - result.matchmaking_s,  # includes the clone of the result
+        "allreduce_s": (t1 - t0) - result.matchmaking_s,  # includes the copy of the result out
         "seconds_with_copies": t1 - t0,
         "group": 1 + len(result.partners) if result.merged is not None else 0,
         "bytes_sent": result.bytes_sent,
@@ -186,6 +186,7 @@ def _start_averager(args: argparse.Namespace, ready: dict, cleanup: list[Callabl
 
         compression = install_stock_int8()  # hivemind's own int8 (bitsandbytes, blocks of 4096), not ours
     dht = _start_dht(args, ready, cleanup)
+    out = torch.empty(args.values)  # each round's average lands here: a caller's buffer kept across rounds
     timeouts = dict(
         min_matchmaking_time=MIN_MATCHMAKING_TIME,
         request_timeout=REQUEST_TIMEOUT,
@@ -214,7 +215,7 @@ def _start_averager(args: argparse.Namespace, ready: dict, cleanup: list[Callabl
             shutdown_timeout=3.0,
             **timeouts,
         )
-        run_round = lambda vector: _hivemind_round(averager, vector)  # noqa: E731
+        run_round = lambda vector: _hivemind_round(averager, vector, out)  # noqa: E731
     else:
         from p2p_diloco.net.exchange import GossipExchange
 
@@ -231,7 +232,7 @@ def _start_averager(args: argparse.Namespace, ready: dict, cleanup: list[Callabl
             **timeouts,
         )
         averager = exchange.averager
-        run_round = lambda vector: _p2p_round(exchange, vector)  # noqa: E731
+        run_round = lambda vector: _p2p_round(exchange, vector, out)  # noqa: E731
     # Nothing of the averager's state matters at exit: kill it rather than wait for its shutdown timeout.
     cleanup.insert(0, lambda: (averager.kill(), averager.join(5)))
     ready["averager_pid"] = averager.pid

@@ -216,6 +216,7 @@ class Island(SwarmViewMixin):
             timeout=timeout,
             schema_tag=contribution.fragment.label,
             group_target=group_target(expected, network.quorum, network.target_group_size),
+            out=self.link.merge_buffer(),
         )
         self.expected.observe(result.partners, time.time())
         fold_partner_steps(self.swarm_view, result.partners)

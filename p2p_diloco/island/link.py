@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import NetworkConfig
@@ -56,6 +57,17 @@ class SwarmLink:
     revocations: dict | None = None
     """The newest owner-signed revocation list this island knows (from --revoked or the DHT)."""
     last_rebootstrap: float = field(default_factory=time.monotonic)
+    merge_out: torch.Tensor | None = None
+
+    def merge_buffer(self) -> torch.Tensor | None:
+        """Where the exchange writes each round's merge (`GossipExchange.average`'s `out`), one buffer for every
+        round: the island applies a round's merge before it starts the next exchange, and a fresh tensor per
+        round cost page faults on the round's critical path."""
+        if self.exchange is None:
+            return None
+        if self.merge_out is None:
+            self.merge_out = torch.empty(self.exchange.size, dtype=torch.float32)
+        return self.merge_out
 
     @property
     def online(self) -> bool:

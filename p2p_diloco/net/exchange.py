@@ -145,18 +145,23 @@ class GossipExchange:
         timeout: float,
         schema_tag: int | None = None,
         group_target: int | None = None,
+        out: torch.Tensor | None = None,
     ) -> ExchangeResult:
         """One bounded round: the group's weighted average, or merged=None if no partner came or the round failed.
 
         The island leads a group for `grace_s` seconds (islands that arrive meanwhile join it), or joins a group
         another island leads; `timeout` bounds the whole search when a quorum above one is required. A group this
         island leads starts as soon as it has `group_target` members (None: the configured target_group_size).
+        `out`: a contiguous float32 buffer of at least the pseudo-gradient's size that receives the merge
+        (`merged` is then a view of its front), for a caller that reuses one across rounds: a fresh tensor per
+        round costs its pages' faults (a 40 MB one took 10-56 ms with 4 islands on 2 cores, benchmarks/link.py).
         """
         counters, start = self._counters(), time.monotonic()
         self._configure_round(schema_tag, group_target or self.target_group_size)
         values = pseudo_gradient.reshape(-1)
         if values.numel() > self.size:
             raise ValueError(f"pseudo-gradient of {values.numel()} values exceeds the exchange buffer of {self.size}")
+        _check_out(out, values.numel())
         with self.averager.get_tensors() as tensors:  # a fragment travels in front; the zero tail averages to zero
             tensors[0][: values.numel()].copy_(values)
             tensors[0][values.numel() :].zero_()
@@ -179,7 +184,7 @@ class GossipExchange:
         finally:
             if scheduled is not None:
                 self._declarations.ended(scheduled, get_dht_time(), self.min_matchmaking_time, now + timeout)
-        self._take_merge(result, gathered, values.numel())
+        self._take_merge(result, gathered, values.numel(), out)
         result.wait_s = time.monotonic() - start
         result.bytes_sent, result.bytes_recv, result.streams_repaired, result.lanes = (
             after - before for after, before in zip(self._counters(), counters)
@@ -188,11 +193,12 @@ class GossipExchange:
             self._part_bytes = part_bytes_per_window(result.bytes_sent, result.wait_s - result.matchmaking_s)
         return result
 
-    def _take_merge(self, result: ExchangeResult, gathered: dict | None, numel: int) -> None:
-        """Copy the group's average and partners into `result`, or say why there is none."""
+    def _take_merge(self, result: ExchangeResult, gathered: dict | None, numel: int, out: torch.Tensor | None) -> None:
+        """Copy the group's average (into `out` if given) and partners into `result`, or say why there is none."""
         if gathered and len(gathered) > 1:
             with self.averager.get_tensors() as tensors:
-                result.merged = tensors[0][:numel].clone()
+                averaged = tensors[0][:numel]
+                result.merged = averaged.clone() if out is None else out.view(-1)[:numel].copy_(averaged)
             ours = self.averager.peer_id
             result.partners = {peer.to_base58(): data for peer, data in gathered.items() if peer != ours}
         elif result.error is None:
@@ -249,3 +255,14 @@ class GossipExchange:
         """Stop the averager process."""
         if self.averager.is_alive():
             self.averager.shutdown()
+
+
+def _check_out(out: torch.Tensor | None, numel: int) -> None:
+    """Refuse an `out` buffer the merge cannot be written into, before the round rather than after it."""
+    if out is None:
+        return
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.numel() < numel or out.requires_grad:
+        raise ValueError(
+            f"out must be a contiguous float32 tensor of at least {numel} values without grad, "
+            f"got {out.dtype} {tuple(out.shape)}{'' if out.is_contiguous() else ' (not contiguous)'}"
+        )
