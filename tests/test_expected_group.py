@@ -59,6 +59,14 @@ def test_a_recent_partner_no_longer_connected_is_not_expected() -> None:
     assert expected.expected(view, "me", connected=set()) == 2  # the newcomer need not be connected yet
 
 
+def test_a_round_names_the_recent_partners_it_missed_for_a_probe() -> None:
+    expected = ExpectedPartners(memory_rounds=2)
+    assert expected.observe(["a", "b"], ended_at=10.0) == []
+    assert expected.observe(["a"], ended_at=20.0) == ["b"]
+    assert expected.observe([], ended_at=30.0) == ["a"]  # a failed round: b merged two rounds ago, no longer recent
+    assert expected.observe(["b"], ended_at=40.0) == []
+
+
 def test_the_target_keeps_a_pair_and_the_quorum_and_stays_under_the_cap() -> None:
     assert group_target(None, quorum=1, cap=8) == 8
     assert group_target(1, quorum=1, cap=8) == 2  # a target of one would turn every joiner away
@@ -108,3 +116,28 @@ def test_survivors_of_a_finished_island_wait_for_it_in_one_round_at_most(local_s
         # The first round may find it gone before its record says so; from the next one on it is not waited for.
         assert len(waited) <= 1, f"{peer.name} waited out the {window} s window for the finished island: {waited}"
         assert all(r["partners"] == 1 for r in after), [(r["outer_step"], r["partners"]) for r in after]
+
+
+def test_survivors_of_a_frozen_island_stop_waiting_out_the_window_for_it(local_swarm: LocalSwarm) -> None:
+    # A frozen island keeps its connections open: a ping after the round it missed tells the survivors it is not
+    # coming. Without one they waited out the whole window for it as long as it counted as a recent partner.
+    window, memory = 6.0, 5
+    local_swarm.bootstrap()
+    args = ["--num-shards", "3", "--target-group-size", "3", "--grace", "fixed", "--grace-s", str(window)]
+    args += ["--expect-rounds", str(memory)]
+    survivors = [local_swarm.peer(f"island-{i}", "--shard-index", str(i), "--outer-steps", "12", *args) for i in (0, 1)]
+    victim = local_swarm.peer("island-2", "--shard-index", "2", "--outer-steps", "40", *args)
+    wait_until(lambda: len(victim.records()) >= 4, 180, "four outer steps of the victim")
+    victim.signal_group(signal.SIGSTOP)
+    frozen_at = time.time()
+    try:
+        for peer in survivors:
+            assert peer.wait(300) == 0, peer.log_text()[-3000:]
+    finally:
+        victim.signal_group(signal.SIGCONT)
+    for peer in survivors:
+        after = [r for r in peer.records() if r["time"] > frozen_at]
+        waited = [(r["outer_step"], round(r["wait_s"], 2)) for r in after if r["wait_s"] >= window / 2]
+        # The round under way at the freeze, and the next one if the ping is still out, may wait for it.
+        assert len(waited) <= 2, f"{peer.name} waited out the {window} s window for the frozen island: {waited}"
+        assert "answer no ping" in peer.log_text(), peer.log_text()[-3000:]

@@ -34,11 +34,15 @@ class ExpectedPartners:
         self.announce_read: dict[str, tuple[float, int]] = {}
         """Per island: its newest announce time read here, and the round (counted here) when it was first read."""
 
-    def observe(self, partners: Iterable[str], ended_at: float) -> None:
-        """Record one finished round: who was in the group, and when it ended (wall-clock seconds)."""
+    def observe(self, partners: Iterable[str], ended_at: float) -> list[str]:
+        """Record one finished round: who was in the group, and when it ended (wall-clock seconds); the islands
+        still expected that were not in it (worth asking whether they are alive, see `expected`'s `connected`)."""
         self.rounds += 1
+        partners = set(partners)
         for peer in partners:
             self.last_seen[peer] = (self.rounds, ended_at)
+        recent = (peer for peer, (seen, _) in self.last_seen.items() if self.rounds - seen < self.memory_rounds)
+        return sorted(peer for peer in recent if peer not in partners)
 
     def expected(
         self, view: Mapping[str, Mapping[str, Any]], own_peer: str, connected: set[str] | None = None
@@ -46,7 +50,9 @@ class ExpectedPartners:
         """The group size to start at once (this island included), or None to wait out the window as before.
 
         `connected`: the peers this island holds a connection to (None: unknown). A recent partner no longer
-        connected is not waited for: a process that died took its connections with it."""
+        connected is not waited for: a process that died took its connections with it. The island leaves out of
+        it, too, a recent partner that missed a round and answers no ping since: a frozen process keeps its
+        connections open."""
         if self.memory_rounds <= 0 or self.rounds < self.memory_rounds:
             return None  # too few rounds to tell who stopped coming
         count = 1

@@ -218,7 +218,7 @@ class Island(SwarmViewMixin):
             group_target=group_target(expected, network.quorum, network.target_group_size),
             out=self.link.merge_buffer(),
         )
-        self.expected.observe(result.partners, time.time())
+        self.link.probe(self.expected.observe(result.partners, time.time()))
         fold_partner_steps(self.swarm_view, result.partners)
         if not result.partners or (expected is not None and len(result.partners) + 1 < expected):
             # Short of the expected group, the round waited out its window: read whether the missing island left

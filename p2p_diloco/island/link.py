@@ -19,6 +19,7 @@ from p2p_diloco.net.connectivity import (
     connect_peers,
     connected_peers,
     ping_peers,
+    probe_peers,
     revoke_in_dht,
     routing_table_size,
     serve_hello,
@@ -37,6 +38,10 @@ from p2p_diloco.timeouts import LINGER_S
 
 logger = logging.getLogger(__name__)
 
+PROBE_S = 1.0
+"""How long a probed island has to answer a DHT ping (an island under a 0.4-core quota answers in milliseconds)."""
+PROBE_MARGIN_S = 0.5
+"""How much longer than PROBE_S the DHT process may take to report a probe."""
 REVOCATIONS_KEY = "p2p-diloco.revocations"
 """DHT key where the members of a private swarm pass the owner's newest revocation list on."""
 
@@ -58,6 +63,10 @@ class SwarmLink:
     """The newest owner-signed revocation list this island knows (from --revoked or the DHT)."""
     last_rebootstrap: float = field(default_factory=time.monotonic)
     merge_out: torch.Tensor | None = None
+    probing: tuple[list[str], Any, float] | None = None
+    """The probe under way: its peers, the future of those that answered, when it started (monotonic)."""
+    silent_peers: set[str] = field(default_factory=set)
+    """The peers that did not answer the latest finished probe."""
 
     def merge_buffer(self) -> torch.Tensor | None:
         """Where the exchange writes each round's merge (`GossipExchange.average`'s `out`), one buffer for every
@@ -79,10 +88,47 @@ class SwarmLink:
         if self.dht is None:
             return None
         try:
-            return connected_peers(self.dht)
+            return connected_peers(self.dht) - self.silent()
         except Exception as error:  # a busy DHT process must not hold up the round
             logger.debug(f"could not list connected peers: {error!r}")
             return None
+
+    def probe(self, peers: list[str]) -> None:
+        """Ping `peers` (recent partners missing from the last round) in the background, for `connected` to leave
+        out those that did not answer: a frozen island's connections stay open, and its partners waited out their
+        whole window for it for 3 rounds (benchmarks/chaos.py)."""
+        self.silent_peers &= set(peers)  # an island back in a group is not silent any more
+        self._harvest(wait=False)
+        if self.dht is None or not peers or self.probing is not None:  # one probe at a time
+            return
+        try:
+            self.probing = (list(peers), probe_peers(self.dht, list(peers), PROBE_S), time.monotonic())
+        except Exception as error:  # a busy DHT process: the peers stay expected, as without a probe
+            logger.debug(f"could not probe {peers}: {error!r}")
+
+    def silent(self) -> set[str]:
+        """The peers that did not answer the latest probe, waiting out one under way (at most PROBE_S from its
+        start: a frozen island costs that, not the whole window)."""
+        self._harvest(wait=True)
+        return set(self.silent_peers)
+
+    def _harvest(self, wait: bool) -> None:
+        if self.probing is None:
+            return
+        peers, future, started = self.probing
+        try:
+            answered = future.result(timeout=max(0.0, started + PROBE_S + PROBE_MARGIN_S - time.monotonic()) * wait)
+        except TimeoutError:
+            if started + PROBE_S + PROBE_MARGIN_S > time.monotonic():
+                return  # still under way
+            answered = set(peers)  # a DHT process too busy to report: nobody is ruled out
+        except Exception:
+            answered = set(peers)
+        self.probing = None
+        silent = set(peers) - answered
+        if silent - self.silent_peers:
+            logger.info(f"islands that missed the last round and answer no ping (frozen?): {sorted(silent)}")
+        self.silent_peers = silent
 
     def refresh(self, swarm_view: dict[str, dict[str, Any]]) -> None:
         """Dial islands of the run that are reachable only through a relay; now and then re-ping initial peers."""

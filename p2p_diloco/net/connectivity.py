@@ -64,6 +64,22 @@ async def _ping_peers(dht: DHT, node: DHTNode, maddrs: list[str], timeout: float
     return sum(await asyncio.gather(*(ping(text) for text in maddrs)))
 
 
+def probe_peers(dht: DHT, peers: list[str], timeout: float) -> Any:
+    """Start a DHT ping of each peer id over the connections this island holds; a future (hivemind's MPFuture) of
+    the set that answered within `timeout`. A frozen island keeps its connections open but answers nothing."""
+    return dht.run_coroutine(functools.partial(_answering, peers=peers, timeout=timeout), return_future=True)
+
+
+async def _answering(dht: DHT, node: DHTNode, peers: list[str], timeout: float) -> set[str]:
+    async def answers(peer: str) -> bool:
+        with contextlib.suppress(Exception):
+            return await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer)), timeout) is not None
+        return False
+
+    replies = await asyncio.gather(*(answers(peer) for peer in peers))
+    return {peer for peer, answered in zip(peers, replies) if answered}
+
+
 async def _routing_table_size(dht: DHT, node: DHTNode) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
