@@ -67,6 +67,8 @@ class SwarmLink:
     """The probe under way: its peers, the future of those that answered, when it started (monotonic)."""
     silent_peers: set[str] = field(default_factory=set)
     """The peers that did not answer the latest finished probe."""
+    missing: set[str] = field(default_factory=set)
+    """The recent partners missing from the last round (the latest `probe`'s peers)."""
 
     def merge_buffer(self) -> torch.Tensor | None:
         """Where the exchange writes each round's merge (`GossipExchange.average`'s `out`), one buffer for every
@@ -97,7 +99,8 @@ class SwarmLink:
         """Ping `peers` (recent partners missing from the last round) in the background, for `connected` to leave
         out those that did not answer: a frozen island's connections stay open, and its partners waited out their
         whole window for it for 3 rounds (benchmarks/chaos.py)."""
-        self.silent_peers &= set(peers)  # an island back in a group is not silent any more
+        self.missing = set(peers)
+        self.silent_peers &= self.missing  # an island back in a group is not silent any more
         self._harvest(wait=False)
         if self.dht is None or not peers or self.probing is not None:  # one probe at a time
             return
@@ -125,7 +128,7 @@ class SwarmLink:
         except Exception:
             answered = set(peers)
         self.probing = None
-        silent = set(peers) - answered
+        silent = (set(peers) - answered) & self.missing  # a probe that ends after its peer came back is stale
         if silent - self.silent_peers:
             logger.info(f"islands that missed the last round and answer no ping (frozen?): {sorted(silent)}")
         self.silent_peers = silent
