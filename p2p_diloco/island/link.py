@@ -63,6 +63,7 @@ class SwarmLink:
     """The newest owner-signed revocation list this island knows (from --revoked or the DHT)."""
     last_rebootstrap: float = field(default_factory=time.monotonic)
     merge_out: torch.Tensor | None = None
+    """The buffer every round's merge lands in (`merge_buffer`)."""
     probing: tuple[list[str], Any, float] | None = None
     """The probe under way: its peers, the future of those that answered, when it started (monotonic)."""
     silent_peers: set[str] = field(default_factory=set)

@@ -57,11 +57,16 @@ async def _ping_peers(dht: DHT, node: DHTNode, maddrs: list[str], timeout: float
         address, peer = split_maddr(text)
         if peer is None or not await _dial(node, peer, [address], timeout):
             return False
-        with contextlib.suppress(Exception):
-            return await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer)), timeout) is not None
-        return False
+        return await _answers(node, peer, timeout)
 
     return sum(await asyncio.gather(*(ping(text) for text in maddrs)))
+
+
+async def _answers(node: DHTNode, peer: str, timeout: float) -> bool:
+    """Whether `peer`'s DHT node answers a ping within `timeout` (any failure: it does not)."""
+    with contextlib.suppress(Exception):
+        return await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer)), timeout) is not None
+    return False
 
 
 def probe_peers(dht: DHT, peers: list[str], timeout: float) -> Any:
@@ -71,12 +76,7 @@ def probe_peers(dht: DHT, peers: list[str], timeout: float) -> Any:
 
 
 async def _answering(dht: DHT, node: DHTNode, peers: list[str], timeout: float) -> set[str]:
-    async def answers(peer: str) -> bool:
-        with contextlib.suppress(Exception):
-            return await asyncio.wait_for(node.protocol.call_ping(PeerID.from_base58(peer)), timeout) is not None
-        return False
-
-    replies = await asyncio.gather(*(answers(peer) for peer in peers))
+    replies = await asyncio.gather(*(_answers(node, peer, timeout) for peer in peers))
     return {peer for peer, answered in zip(peers, replies) if answered}
 
 
