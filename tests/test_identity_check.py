@@ -12,6 +12,7 @@ from p2p_diloco.net.dht import JoinError, shutdown_dht, start_dht
 from p2p_diloco.net.identity import ensure_identity, generated_here
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+ATTEMPTS = 3
 
 
 def _start(initial_peers: list[str], identity: str | None):
@@ -31,9 +32,17 @@ def test_a_fresh_identity_skips_the_check_and_a_given_one_is_still_refused_while
         nodes.append(_start(bootstrap, fresh))
         nodes.append(_start(bootstrap, str(given)))
         assert [node.kwargs["check_if_identity_free"] for node in nodes[1:]] == [False, True]
-        # The check still protects a given identity: a second node with it is refused in one line.
-        with pytest.raises(JoinError, match="already used by another running peer"):
-            _start(bootstrap, str(given))
+        # The check still protects a given identity: a second node with it is refused in one line. hivemind's check
+        # looks the identity up through the bootstrap, which can miss it on a loaded machine (CI saw one miss):
+        # a check that never ran would let every attempt through.
+        for _ in range(ATTEMPTS):
+            try:
+                nodes.append(_start(bootstrap, str(given)))
+            except JoinError as error:
+                assert "already used by another running peer" in str(error), error
+                break
+        else:
+            pytest.fail(f"a second node with a given identity in use started {ATTEMPTS} times")
     finally:
         for node in nodes:
             shutdown_dht(node)
