@@ -83,6 +83,26 @@ def freeze_after_ticket() -> None:
     DirectLanes.connect = frozen
 
 
+def freeze_after_frames(count: int) -> None:
+    """Fault injection: the averager process stops itself (SIGSTOP) as it is about to send its frame `count` + 1
+    over a direct lane, its lanes open: a frozen island's averager mid-round. Patched before the process forks."""
+    import os
+    import signal
+
+    from p2p_diloco.net.direct import Lane
+
+    send, sent = Lane.send, [0]
+
+    async def freezing(self, *args, **kwargs):
+        sent[0] += 1
+        if sent[0] == count + 1:
+            print("FROZEN", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return await send(self, *args, **kwargs)
+
+    Lane.send = freezing
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seed", type=int, required=True)
@@ -96,6 +116,8 @@ def main() -> None:
     parser.add_argument("--schema-tag", type=int, default=None, help="exchange this fragment only")
     parser.add_argument("--cut-replies-after", type=int, help="fault: cut one sender's reply stream after N parts")
     parser.add_argument("--freeze-after-ticket", action="store_true", help="fault: take lane tickets, never connect")
+    parser.add_argument("--freeze-after-frames", type=int, help="fault: the averager stops itself mid-round")
+    parser.add_argument("--no-retries", action="store_true", help="report a failed round at once, not retry it")
     parser.add_argument("--lanes", choices=["on", "off"], default="on", help="direct lanes, or libp2p streams only")
     args = parser.parse_args()
     setup_logging("info")
@@ -103,6 +125,8 @@ def main() -> None:
         cut_reply_streams(args.cut_replies_after)
     if args.freeze_after_ticket:
         freeze_after_ticket()
+    if args.freeze_after_frames is not None:
+        freeze_after_frames(args.freeze_after_frames)
 
     dht = start_dht(
         initial_peers=args.initial_peers,
@@ -138,7 +162,9 @@ def main() -> None:
         gather = None
         if args.outer_step is not None:  # as an island whose DHT view of the swarm is no newer than itself
             gather = {"outer_step": args.outer_step, "swarm_step": args.outer_step, "base_weight": 1.0}
-        control = exchange.averager.step(gather=gather, weight=1.0, timeout=args.timeout, wait=False)
+        control = exchange.averager.step(
+            gather=gather, weight=1.0, timeout=args.timeout, wait=False, allow_retries=not args.no_retries
+        )
         while not control.done():
             if control.stage.name == "RUNNING_ALLREDUCE":
                 print("ALLREDUCE", flush=True)

@@ -421,6 +421,7 @@ def test_a_poisoned_part_dooms_the_round_at_once() -> None:
     # A reducer that lost a sender returns NaN parts: the round will be discarded whatever else arrives, so the
     # member stops waiting for slower (perhaps frozen) reducers once its grace runs out.
     import asyncio
+    from types import SimpleNamespace
 
     import torch
 
@@ -435,7 +436,10 @@ def test_a_poisoned_part_dooms_the_round_at_once() -> None:
     runner = object.__new__(StrictAllReduceRunner)
     runner.doomed, runner.tensor_part_container, runner.ordered_peer_ids = asyncio.Event(), Container(), ["a", "b"]
     runner.poisoned = False
+    runner.tensor_part_reducer, runner._senders_connected = SimpleNamespace(poisoned=False), {}
     runner._register_part(0, 0, torch.full((4,), 3e38))  # overflows its sum, yet every value is finite
     assert not runner.doomed.is_set() and not runner.poisoned
     runner._register_part(1, 0, torch.tensor([1.0, float("nan")]))
     assert runner.doomed.is_set() and runner.poisoned and registered == [(0, 0), (1, 0)]
+    # The round is lost to this member, so its own reducer returns poison from now on: the group agrees at once.
+    assert runner.tensor_part_reducer.poisoned

@@ -234,7 +234,7 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
             if not self.doomed.is_set() or not isinstance(error, asyncio.CancelledError):
                 logger.warning(f"reducer {peer_id} failed, the round will be discarded: {error!r}")
             self.tensor_part_container.register_failed_reducer(peer_index)
-            self.doomed.set()
+            self._doom()
             raise
 
     def _register_part(self, peer_index: int, part_index: int, averaged: torch.Tensor) -> None:
@@ -244,8 +244,29 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         if not self.poisoned and not _finite(averaged):
             logger.info(f"reducer {self.ordered_peer_ids[peer_index]} sent a poisoned part: the round is lost")
             self.poisoned = True
-            self.doomed.set()
+            self._doom()
         self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+
+    def _doom(self) -> None:
+        """This member will discard the round: its reducer poisons what it returns from now on and gives up on the
+        senders that never started, so every member discards the round alike and without waiting. A member woken
+        from a freeze otherwise waited the chunk timeout for partners long gone (tests/test_lane_liveness.py)."""
+        if self.doomed.is_set():
+            return
+        self.doomed.set()
+        self.tensor_part_reducer.poisoned = True
+        # A sender that took a lane ticket counts as active (`expect_sender`) but may never connect.
+        missing = [peer for peer, connected in self._senders_connected.items() if not connected.is_set()]
+        if missing and not self._future.done():
+            task = asyncio.create_task(self._ban_all(missing))
+            self._connect_watches.add(task)
+            task.add_done_callback(self._connect_watches.discard)
+
+    async def _ban_all(self, peers: list[PeerID]) -> None:
+        for peer in peers:
+            if not self._senders_connected[peer].is_set():
+                logger.info(f"sender {peer} never connected and the round is lost: banned")
+                await self._ban_sender(peer)
 
     def _reply_decoder(self, peer_id: PeerID) -> Callable[[averaging_pb2.AveragingData], torch.Tensor]:
         """Decodes (and counts) a reducer's reply message; a message that is not an averaged part fails the reducer."""

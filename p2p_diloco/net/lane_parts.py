@@ -20,7 +20,17 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MSGPackSerializer, get_logger
 
 from p2p_diloco.net.codecs import decode_into
-from p2p_diloco.net.direct import CONNECT_S, HELLO_S, PROTOBUF, RAW_FP32, DirectLanes, Lane, LaneError
+from p2p_diloco.net.direct import (
+    CONNECT_S,
+    HELLO_S,
+    PROTOBUF,
+    RAW_FP32,
+    SILENCE_S,
+    DirectLanes,
+    Lane,
+    LaneError,
+    LaneSilent,
+)
 
 logger = get_logger(__name__)
 
@@ -28,8 +38,8 @@ PROTOBUF_SLACK = 4096
 """Bytes a compressed part may exceed its raw size by (a codec's header on a tiny part)."""
 READ_AHEAD = 2
 """Parts a reducer reads from a lane ahead of the one it is reducing."""
-TICKET_S = 5.0
-"""Longest wait for a reducer's ticket (it may still be entering the round)."""
+TICKET_S = SILENCE_S
+"""Longest wait for a reducer's ticket (it may still be entering the round): as long as a lane may be silent."""
 TICKET_MARGIN_S = 0.5
 """A ticket may come this long after the reducer's own wait for the group (next_chunk_timeout) ends."""
 
@@ -54,6 +64,7 @@ class LanePartsMixin:
             reply = await asyncio.wait_for(stub.rpc_direct_ticket(request), wait)
             offer = MSGPackSerializer.loads(reply.metadata) if reply.metadata else None
         except asyncio.TimeoutError:
+            await self._ban_if_silent(peer_id, wait)
             raise AllreduceException(f"reducer {peer} did not answer in {wait:.1f}s") from None
         except Exception as error:  # an island without lanes, or one busy elsewhere: libp2p still works
             logger.info(f"no lane ticket from {peer}: {error!r}")
@@ -62,6 +73,15 @@ class LanePartsMixin:
             self.lanes.mark_unreachable(peer)
             return None
         return await self.lanes.connect(peer, offer)
+
+    async def _ban_if_silent(self, peer_id: PeerID, waited: float) -> None:
+        """Ban `peer_id` as a sender to this reducer unless its parts have started to come: it answered nothing
+        for `waited` s, so this member discards the round, and the poisoned parts tell every other member so now
+        rather than after the chunk timeout (a frozen member held its group 15 s in tests/test_lane_liveness.py)."""
+        connected = self._senders_connected.get(peer_id)
+        if connected is not None and not connected.is_set() and not self._future.done():
+            logger.warning(f"member {peer_id} answered nothing for {waited:.1f} s: the round is lost for everyone")
+            await self._ban_sender(peer_id)
 
     async def _communicate_over_lane(self, lane: Lane, peer_id: PeerID, peer_index: int) -> int:
         """Send our parts for reducer `peer_id` over `lane` and register its replies; the parts registered."""
@@ -119,6 +139,8 @@ class LanePartsMixin:
                 averaged, _ = await self._decode_lane_part(kind, payload, numel, destination)
                 self._register_part(peer_index, part_index, averaged)
                 part_index += 1
+        except LaneSilent as error:  # frozen or cut off: asking it again over libp2p would wait just as long
+            raise AllreduceException(f"reducer {peer_id} fell silent after {part_index} parts: {error}") from None
         except (LaneError, OSError, asyncio.TimeoutError) as error:
             logger.info(f"direct lane from reducer {peer_id} broke after {part_index} parts: {error!r}")
         return part_index
@@ -224,7 +246,8 @@ class LanePartsMixin:
                 await self._send_frame(lane, index, kind, reply, 0.0, self.sender_timeout)
             # The sender closes the lane once it holds every result, also those it asked again for over libp2p:
             # until then this round's replies are not all out (see StrictAllReduceRunner.wait_for_replies).
-            await asyncio.wait_for(lane.wait_closed(), self.sender_timeout)
+            if part_index == self.tensor_part_reducer.num_parts:  # a banned sender's parts are no longer read
+                await asyncio.wait_for(reading, self.sender_timeout)
         except (LaneError, OSError, asyncio.TimeoutError, AllreduceException) as error:
             logger.info(f"direct lane to sender {peer_id} ended after {part_index} parts: {error!r}")
         finally:
@@ -237,7 +260,7 @@ class LanePartsMixin:
     async def _read_lane_parts(self, lane: Lane, shapes: list[torch.Size], arrived: asyncio.Queue) -> None:
         """Read and decode a sender's parts ahead of the reduction, into READ_AHEAD + 2 rotating buffers (a part's
         buffer is free again once the reduction has taken the part that follows it: reducers keep no part past its
-        reduction)."""
+        reduction), then wait for the sender to close the lane."""
         largest = max((shape.numel() for shape in shapes), default=0)
         buffers = [torch.empty(4 * largest + PROTOBUF_SLACK, dtype=torch.uint8) for _ in range(READ_AHEAD + 2)]
         compressed = self._compression_type != runtime_pb2.CompressionType.NONE
@@ -255,6 +278,10 @@ class LanePartsMixin:
                 await arrived.put((kind, weight if math.isfinite(weight) else 0.0, values, compression))
         except (LaneError, OSError, asyncio.TimeoutError) as error:
             await arrived.put(error)
+            return
+        # Read on until the sender closes the lane: its heartbeats keep coming meanwhile, and its silence (frozen)
+        # ends the lane, which fails a reply blocked on the sender's full receive window at once.
+        await lane.wait_closed()
 
 
 def _raw_bytes(values: torch.Tensor) -> memoryview:
