@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from members import Members
 
 from p2p_diloco.cli import launcher
 from p2p_diloco.cli.launcher import PeerProcess
@@ -96,3 +97,13 @@ def local_swarm(tmp_path: Path) -> Iterator[LocalSwarm]:
         yield swarm
     finally:
         swarm.close(grace=10)
+
+
+@pytest.fixture
+def members() -> Iterator[Members]:
+    """Member processes of one averaging group, all killed (with their daemons) after the test."""
+    group = Members()
+    try:
+        yield group
+    finally:
+        group.close()

@@ -8,10 +8,7 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -19,12 +16,12 @@ import torch
 from exchange_member import member_vector
 from hivemind.compression import deserialize_torch_tensor
 from hivemind.proto.runtime_pb2 import CompressionType
+from members import Members
 
 from p2p_diloco.net.reducers import RobustPartReducer, StrictPartReducer
 from p2p_diloco.net.repair import REPAIR_WINDOW_S, ServedParts, valid_first_part
 from p2p_diloco.process import kill_process_tree
 
-MEMBER = Path(__file__).with_name("exchange_member.py")
 NONE = CompressionType.NONE
 
 
@@ -166,75 +163,6 @@ def test_a_repair_request_for_a_part_outside_the_round_is_refused(value: float) 
 
 async def _collect(parts) -> list:
     return [part async for part in parts]
-
-
-class Members:
-    """Member processes of one averaging group."""
-
-    def __init__(self) -> None:
-        self.processes: list[subprocess.Popen] = []
-
-    def start(
-        self, seed: int, size: int, group_size: int, peers: list[str], *extra: str, log: Path | None = None
-    ) -> subprocess.Popen:
-        """Start a member (its log into `log`, if given) and wait for its READY line."""
-        process = subprocess.Popen(
-            [
-                sys.executable,
-                str(MEMBER),
-                "--seed",
-                str(seed),
-                "--size",
-                str(size),
-                "--group-size",
-                str(group_size),
-                "--initial-peers",
-                *peers,
-                *extra,
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL if log is None else log.open("w"),
-            text=True,
-            start_new_session=True,
-        )
-        self.processes.append(process)
-        line = process.stdout.readline()
-        assert line.startswith("READY "), f"member {seed} failed to start: {line!r}"
-        process.maddr = line.split()[1]
-        return process
-
-    def go(self) -> None:
-        """Let every member start its averaging step."""
-        for process in self.processes:
-            process.stdin.write("GO\n")
-            process.stdin.flush()
-
-    @staticmethod
-    def result(process: subprocess.Popen) -> dict:
-        """The member's RESULT line."""
-        notes = []
-        for line in process.stdout:
-            if line.startswith("RESULT "):
-                process.wait(30)
-                return {**json.loads(line[len("RESULT ") :]), "notes": notes}
-            notes.append(line.strip())
-        pytest.fail(f"member exited without a result (code {process.wait()})")
-
-    def close(self) -> None:
-        """Kill every member and its daemons."""
-        for process in self.processes:
-            kill_process_tree(process.pid)
-            process.wait()
-
-
-@pytest.fixture
-def members() -> Iterator[Members]:
-    group = Members()
-    try:
-        yield group
-    finally:
-        group.close()
 
 
 def _true_mean(seeds: list[int], size: int) -> torch.Tensor:

@@ -7,11 +7,11 @@ import json
 import socket
 import struct
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
-from test_allreduce import Members, _true_mean
+from members import Members
+from test_allreduce import _true_mean
 
 from p2p_diloco.net.direct import (
     FRAME,
@@ -187,15 +187,6 @@ def test_lane_hosts_leave_out_relayed_addresses_and_put_loopback_last() -> None:
     ]
     assert lane_hosts(maddrs) == ["10.1.2.3", "127.0.0.1", "::1"]
     assert struct.calcsize("<IBQd") == FRAME.size
-
-
-@pytest.fixture
-def members() -> Iterator[Members]:
-    group = Members()
-    try:
-        yield group
-    finally:
-        group.close()
 
 
 def test_a_group_mixes_lanes_and_libp2p_and_ends_with_identical_bits(members: Members) -> None:

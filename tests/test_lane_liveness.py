@@ -9,11 +9,10 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_allreduce import Members
+from members import Members
 
 from p2p_diloco.net.direct import FRAME, HEARTBEAT, RAW_FP32, TO_REDUCER, TO_SENDER, Lane, LaneError, LaneSilent
 
@@ -84,15 +83,6 @@ def test_a_heartbeat_out_of_order_or_forged_ends_the_lane() -> None:
     asyncio.run(scenario(FRAME.pack(7, HEARTBEAT, 0, 0.0), bytes(16), "expected heartbeat 0"))
     asyncio.run(scenario(FRAME.pack(0, HEARTBEAT, 0, 0.0), bytes(16), "authentication tag"))
     asyncio.run(scenario(FRAME.pack(0, HEARTBEAT, 5, 0.0), bytes(16), "5 bytes"))
-
-
-@pytest.fixture
-def members() -> Iterator[Members]:
-    group = Members()
-    try:
-        yield group
-    finally:
-        group.close()
 
 
 CHUNK_TIMEOUT = 15.0
