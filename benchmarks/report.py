@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from lib.markdown import fmt, table
-from lib.report_failures import chaos, restart
+from lib.report_failures import chaos, restart, restart_link
 from lib.targets import target_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -360,6 +360,7 @@ SECTIONS: list[tuple[str, str, Callable[[dict], str]]] = [
     ("link", "Rounds on shaped links", link),
     ("chaos", "Goodput under failures", chaos),
     ("restart", "A restart beside one training island", restart),
+    ("restart_link", "A restart over a 100 Mbit/s link", restart_link),
     ("simulator", "Simulated goodput at scale", simulator),
     ("decoupled", "Decoupled merging with a 3x slower island", decoupled),
     ("bandwidth", "Bandwidth vs data-parallel", bandwidth),

@@ -76,8 +76,10 @@ def ready_for_takeover(standby) -> None:
         time.sleep(POLL_S)  # its log is the only signal a standby process gives
 
 
-def restart_once(swarm: LocalSwarm, way: str) -> dict:
-    """Kill island 1, start it again `way`, and return where the time went until its first merged round."""
+def restart_once(swarm: LocalSwarm, way: str, *, same_host: bool = False) -> dict:
+    """Kill island 1, start it again `way`, and return where the time went until its first merged round.
+
+    `same_host`: start it under its first command prefix (its network namespace) rather than `way`'s."""
     island = swarm.peers["island-1"]
     standby = swarm.standby("island-1") if way == "standby" else None
     if standby is not None:
@@ -88,11 +90,12 @@ def restart_once(swarm: LocalSwarm, way: str) -> dict:
     if standby is not None:
         swarm.promote(standby)
     else:
-        swarm.restart("island-1", command_prefix=WAYS[way])
+        swarm.restart("island-1", command_prefix=None if same_host else WAYS[way])
     first, merged = first_merge_after(swarm, "island-1", restarted_at)
     total = merged["time"] - restarted_at
     startup = {phase: first.get(phase) or 0.0 for phase in PHASES[:3]}
     row = {"way": way, **startup, "first_round_s": total - sum(startup.values()), "total_s": total}
+    row["resynced"] = bool(merged.get("resynced"))  # its first merge found it off the lineage: a second download
     row["total_over_restore"] = total / startup["restore_s"] if startup["restore_s"] else None
     return row
 

@@ -205,3 +205,56 @@ def test_a_joining_island_takes_an_honest_donor_ahead_of_its_records_but_not_a_l
     assert donor_step_limit([7, 7, 6, 8], 4) == 12 < 13  # a liar claiming 13 or more is still turned away
     assert donor_step_limit([], 4) is None
     assert donor_step_limit([3, 3], 1) == 5
+
+
+def test_old_records_age_so_a_dead_incarnation_does_not_hold_the_donor_bound_down() -> None:
+    """A restarted island (a new peer id) sees its dead incarnation's record at step 0 beside its donor's at step 3,
+    both written a while ago: the donor, 3 steps past its record after rounds of 15 s, is taken; a liar far past
+    anything the records allow is not."""
+    import time
+    from types import SimpleNamespace
+
+    from p2p_diloco.config import NetworkConfig
+    from p2p_diloco.island.checkpoints import aged_steps, donor_step_limit, swarm_state
+
+    now = time.time()
+    donor = {
+        "outer_step": 3,
+        "time": now - 20,
+        "history": [[1, None, 0, 0, 0, 0, now - 50], [2, None, 0, 0, 0, 0, now - 35]],
+    }
+    dead = {"outer_step": 0, "time": now - 60, "history": []}
+    assert donor_step_limit([0, 3], 4) == 5  # unaged, the dead record sets the clock: the donor at 6 is refused
+    aged = aged_steps([donor, dead], now)
+    assert aged[0] == 3 + 20 // (15 / 4)  # plausible_limit: rounds up to 4x faster than the record's pace
+    assert aged[1] > aged[0]
+    records = {"island-0": donor, "island-1-before": dead}
+    link = SimpleNamespace(peer_id="me", records=SimpleNamespace(read=lambda: records))
+    network = NetworkConfig(announce_every=4, state_wait_s=0.0)
+
+    def offering(donor_step: int):
+        def download(max_step: int | None):
+            return ({"outer_step": donor_step}, []) if max_step is None or donor_step <= max_step else None
+
+        return SimpleNamespace(download=download)
+
+    state = swarm_state(link, network, offering(6))
+    assert state is not None and state[0]["outer_step"] == 6
+    assert swarm_state(link, network, offering(100)) is None
+
+
+def test_records_with_a_malformed_time_or_history_are_not_aged_past_a_step_a_second() -> None:
+    import time
+
+    from p2p_diloco.island.checkpoints import aged_steps
+
+    now = time.time()
+    records = [
+        {"outer_step": 5, "time": "yesterday"},
+        {"outer_step": 5, "time": float("nan")},
+        {"outer_step": 5, "time": True},
+        {"outer_step": 5, "time": now - 10, "history": "garbage"},
+        {"outer_step": 5, "time": now - 10, "history": [[1], ["x"]]},
+        {"outer_step": 5, "time": now + 1000, "history": None},  # written in the future: no rounds since
+    ]
+    assert aged_steps(records, now) == [5, 5, 5, 15, 15, 5]

@@ -58,3 +58,25 @@ def restart(data: dict) -> str:
         standby = data["standby_over_shipped"]
         text += "; standby / shipped: " + ", ".join(f"{key} {fmt(value, 3)}" for key, value in standby.items())
     return text
+
+
+def restart_link(data: dict) -> str:
+    """A restart whose state transfer crosses a shaped link, per model size and codec."""
+    keys = ("process_start_s", "join_s", "restore_s", "first_round_s", "total_s")
+    ratios = ("total_over_restore", "total_over_transfer_limit", "second_downloads")
+    text = (
+        f"Each island's uplink is shaped to {data['rate_mbit']:g} Mbit/s; the outer state (anchor and momentum, "
+        "fp32) takes `transfer_limit_s` at that rate. Median seconds per phase of the restarted island until its "
+        "first merged round (`second_downloads`: restarts whose first merge found them a step behind, so that they "
+        "downloaded the state again):\n\n"
+    )
+    rows = [
+        [label, f"{figures['state_bytes'] / 1e6:.0f} MB", fmt(figures["transfer_limit_s"], 2)]
+        + [fmt(figures.get(key), 2) for key in (*keys, *ratios)]
+        for label, figures in data["configs"].items()
+    ]
+    text += table(["model, codec", "state", "transfer_limit_s", *keys, *ratios], rows)
+    carried = data.get("carried_over", {})
+    if carried:
+        text += "\n\nCarried over from the last --extended run: " + ", ".join(f"{k} ({v})" for k, v in carried.items())
+    return text

@@ -257,6 +257,28 @@ def _chaos(data: dict, results: dict) -> list[Row]:
     return out
 
 
+def _restart_link(data: dict, results: dict) -> list[Row]:
+    """Restart to first merge over the state's transfer at the link's rate, where the transfer is not negligible."""
+    out = []
+    for label, phases in data.get("configs", {}).items():
+        times = phases["total_over_transfer_limit"]
+        restarts = sum(1 for row in data.get("restarts", []) if f"{row['size']} {row['codec']}" == label)
+        why = (
+            f"of {phases['total_s']:.1f} s, starting the process takes {phases['process_start_s']:.1f} s and joining "
+            f"{phases['join_s']:.1f} s"
+            + (" (int8's code table imports bitsandbytes)" if phases["codec"] == "int8" else "")
+            + f", the state {phases['restore_s']:.1f} s ({phases['restore_over_transfer_limit']:.2f}x "
+            f"bytes/bandwidth: asking donors, waiting for a donor's round in flight, libp2p's framing) and the first "
+            f"round {phases['first_round_s']:.1f} s (inner steps and one exchange over the link; where a donor's "
+            "round lands while the state downloads, the island merges a step behind and downloads the whole state "
+            f"again, {phases.get('second_downloads', '?')} of {restarts} restarts here: catching up by the swarm's "
+            "encoded round results instead would cost a tenth of that in int8)"
+        )
+        figure = f"restart to first merge / state transfer ({label}, {data['rate_mbit']:g} Mbit/s)"
+        out.append((figure, f"{times:.1f}x", "<= 2x", times <= 2, why))
+    return out
+
+
 def _chaos_standby(data: dict) -> list[Row]:
     """The decoupled mode with a standby per island, where the chaos run has it."""
     goodput = data["goodput"].get("standby")
@@ -340,6 +362,7 @@ JUDGES: list[tuple[str, Callable[[dict, dict], list[Row]]]] = [
     ("link", _link),
     ("bandwidth", _bandwidth),
     ("chaos", _chaos),
+    ("restart_link", _restart_link),
     ("simulator", _simulator),
     ("quality", _quality),
     ("bench_times", _bench_times),

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from p2p_diloco.config import NetworkConfig, PeerConfig
-from p2p_diloco.diloco.staleness import robust_clock
+from p2p_diloco.diloco.staleness import plausible_limit, robust_clock
 from p2p_diloco.island.link import SwarmLink
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.resync import Resync
@@ -93,6 +97,38 @@ def donor_step_limit(steps: list[int], announce_every: int) -> int | None:
     return robust_clock(steps) + max(1, announce_every) + 1 if steps else None
 
 
+UNKNOWN_PACE_S = 4.0
+"""The round time assumed of a record without two recent rounds to time: a step a second at `plausible_limit`'s 4x."""
+
+
+def aged_steps(records: Iterable[Mapping[str, Any]], now: float) -> list[int]:
+    """Each record's step, plus the rounds its island can have finished since it wrote it (`plausible_limit`).
+
+    Records are only rewritten every few rounds, and not at all once their island died: a restarted island without
+    an identity file saw its dead incarnation's record (at step 0) beside its donor's, the robust clock of the two
+    took the older, and the donor 6 steps ahead was refused as impossible (benchmarks/restart_link.py, 38M). Aged,
+    an old record no longer holds the bound down; a lone liar still cannot raise it (`robust_clock`)."""
+    steps = []
+    for info in records:
+        step, written = info["outer_step"], info.get("time")
+        if not isinstance(written, (int, float)) or isinstance(written, bool) or not math.isfinite(written):
+            steps.append(step)
+            continue
+        steps.append(plausible_limit(step, now - written, _pace_s(info.get("history"))) - 1)
+    return steps
+
+
+def _pace_s(history: Any) -> float:
+    """The median time between a record's recent rounds (`Progress.history`: time last), or UNKNOWN_PACE_S."""
+    try:
+        times = sorted(float(entry[-1]) for entry in history)
+        gaps = [later - earlier for earlier, later in zip(times, times[1:]) if later > earlier]
+    except (TypeError, ValueError, IndexError):  # a malformed history is a liar's: no pace from it
+        return UNKNOWN_PACE_S
+    pace = statistics.median(gaps) if gaps else UNKNOWN_PACE_S
+    return pace if math.isfinite(pace) else UNKNOWN_PACE_S
+
+
 def swarm_state(
     link: SwarmLink, network: NetworkConfig, resync: Resync, *, own_step: int | None = None
 ) -> tuple[dict, list] | None:
@@ -105,7 +141,8 @@ def swarm_state(
     while True:
         others = _others(link)
         steps = [info["outer_step"] for info in others.values()]
-        state = resync.download(max_step=donor_step_limit(steps, network.announce_every))
+        limit = donor_step_limit(aged_steps(others.values(), time.time()), network.announce_every)
+        state = resync.download(max_step=limit)
         if state is not None:
             return state
         newest = robust_clock(steps)

@@ -158,7 +158,6 @@ class Island(SwarmViewMixin):
         else:
             future = in_background(self._exchange, contribution, compute_s, ready)
             self.pending = PendingMerge(contribution, staleness, swarm_step, future)
-
         return self._record(landed, losses, steps, compute_s, round_start)
 
     def _contribution(
@@ -197,8 +196,8 @@ class Island(SwarmViewMixin):
 
     def _exchange(self, contribution: Contribution, compute_s: float, ready: float) -> Verdict:
         """Average with ready partners (in this thread, or the exchange thread with overlap) and judge the result."""
-        network = self.config.network
-        overlapped = self.config.train.overlap_steps > 0
+        network, overlapped = self.config.network, self.config.train.overlap_steps > 0
+        self.state.round_in_flight()
         if overlapped and self.link.online:
             self._announce(scheduled=True)
         if not self.link.online:
@@ -261,6 +260,7 @@ class Island(SwarmViewMixin):
                 blocked_s += time.monotonic() - resync_start
             outcome = RoundOutcome(len(verdict.partners), verdict.merged, resynced, verdict.note)
             staleness, swarm_step = pending.staleness, pending.swarm_step
+        self.state.round_landed()
         if self.link.online:
             self.link.exchange.set_state_priority(float(self.outer_step))
         blocked_s = blocked_s if mix is not None else exchange_s

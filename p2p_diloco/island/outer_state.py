@@ -12,6 +12,9 @@ from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.outer import OuterOptimizer, state_digest
 from p2p_diloco.net.records import ModelMismatchError
 
+SETTLE_WAIT_S = 10.0
+"""How long a donor holds a state request while a round of its own is in flight (`OuterState.for_peers`)."""
+
 
 class OuterState:
     """Anchor, outer Nesterov momentum (and Delayed Nesterov's buffer) and the outer step of one island.
@@ -27,6 +30,8 @@ class OuterState:
         self.optimizer = OuterOptimizer(anchor, lr=lr, momentum=momentum, momentum_every=momentum_every)
         self.fingerprint, self.run_id = fingerprint, run_id
         self.outer_step = 0
+        self._settled = threading.Event()
+        self._settled.set()
 
     @classmethod
     def for_run(cls, anchor: torch.Tensor, config: PeerConfig, fingerprint: str) -> OuterState:
@@ -62,8 +67,23 @@ class OuterState:
         with self.lock:
             return state_digest(*self.tensors(fragment))
 
+    def round_in_flight(self) -> None:
+        """A round's exchange began: its outer step lands soon, and a state served before then is stale on arrival."""
+        self._settled.clear()
+
+    def round_landed(self) -> None:
+        """The round in flight landed (merged, alone or caught up): the state is current until the next one."""
+        self._settled.set()
+
     def for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs."""
+        """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs.
+
+        While a round is in flight the copy waits (up to SETTLE_WAIT_S) for it to land: the state it would serve
+        becomes one step old when the round lands, and a newcomer that downloads it (a restart over a 100 Mbit/s
+        link takes 7 s for 77 MB) merges one step behind and downloads the whole state again to realign
+        (benchmarks/restart_link.py). A few seconds' wait costs less than that second download.
+        """
+        self._settled.wait(SETTLE_WAIT_S)
         with self.lock:
             tensors = [tensor.to("cpu", copy=True) for tensor in self.tensors()]
             step = self.outer_step

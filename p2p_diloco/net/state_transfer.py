@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ async def verified_download(
         claim, agreeing = await _probe(donors, ask, fingerprint, max_step, timeout)
         moved = 0
         for peer in agreeing:
+            started = time.monotonic()
             try:
                 state = await asyncio.wait_for(download(peer), timeout)
             except Exception as error:  # a donor that fails costs only itself
@@ -127,6 +129,11 @@ async def verified_download(
             if state is None:
                 continue
             if (why := problem(state, claim, shapes)) is None:
+                size = sum(tensor.numel() * tensor.element_size() for tensor in state[1])
+                logger.info(
+                    f"downloaded the outer state at step {claim.outer_step} ({size / 1e6:.1f} MB) from {peer} in "
+                    f"{time.monotonic() - started:.1f}s"
+                )
                 return state
             if moved_on(state, claim):  # an honest donor trains on: probe again rather than blame it
                 moved += 1

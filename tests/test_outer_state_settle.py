@@ -1,0 +1,56 @@
+"""A donor holds a state request while a round of its own is in flight, so a newcomer gets the state that round
+lands, not the one it replaces (which would be a step old on arrival and cost the newcomer a second download)."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from p2p_diloco.diloco.fragments import Fragment
+from p2p_diloco.island import outer_state
+from p2p_diloco.island.outer_state import OuterState
+
+WHOLE = Fragment(number=0, count=1, index=slice(None), tensor_sizes=(8,), size=8)
+
+
+def _state() -> OuterState:
+    return OuterState(torch.zeros(8), lr=0.7, momentum=0.9, momentum_every=1, fingerprint="f", run_id="r")
+
+
+def _serve_in_background(state: OuterState) -> tuple[threading.Thread, list]:
+    served: list = []
+    thread = threading.Thread(target=lambda: served.append(state.for_peers()), daemon=True)
+    thread.start()
+    return thread, served
+
+
+def test_a_settled_state_is_served_at_once() -> None:
+    state = _state()
+    metadata, tensors = state.for_peers()
+    assert metadata["outer_step"] == 0 and len(tensors) == 2
+
+
+def test_a_round_in_flight_is_waited_for_and_its_step_served() -> None:
+    state = _state()
+    state.round_in_flight()
+    thread, served = _serve_in_background(state)
+    thread.join(timeout=0.3)
+    assert thread.is_alive(), "the state was served while the round was in flight"
+    state.step(torch.ones(8), WHOLE)
+    state.round_landed()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+    metadata, tensors = served[0]
+    assert metadata["outer_step"] == 1
+    assert torch.equal(tensors[0], state.anchor)
+
+
+def test_a_round_that_never_lands_holds_a_request_only_for_the_bound(monkeypatch) -> None:
+    monkeypatch.setattr(outer_state, "SETTLE_WAIT_S", 0.2)
+    state = _state()
+    state.round_in_flight()
+    thread, served = _serve_in_background(state)
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "a round stuck in flight held the state request past its bound"
+    assert served[0][0]["outer_step"] == 0
