@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from p2p_diloco.diloco.fragments import Fragment
@@ -23,6 +24,18 @@ def _serve_in_background(state: OuterState) -> tuple[threading.Thread, list]:
     thread = threading.Thread(target=lambda: served.append(state.for_peers()), daemon=True)
     thread.start()
     return thread, served
+
+
+@pytest.fixture(autouse=True)
+def _every_state_is_large(monkeypatch) -> None:
+    monkeypatch.setattr(outer_state, "SETTLE_MIN_BYTES", 0)
+
+
+def test_a_small_state_is_served_at_once_even_with_a_round_in_flight(monkeypatch) -> None:
+    monkeypatch.setattr(outer_state, "SETTLE_MIN_BYTES", 8 * 8 + 1)
+    state = _state()
+    state.round_in_flight()
+    assert state.for_peers()[0]["outer_step"] == 0
 
 
 def test_a_settled_state_is_served_at_once() -> None:

@@ -14,6 +14,10 @@ from p2p_diloco.net.records import ModelMismatchError
 
 SETTLE_WAIT_S = 10.0
 """How long a donor holds a state request while a round of its own is in flight (`OuterState.for_peers`)."""
+SETTLE_MIN_BYTES = 16 << 20
+"""States smaller than this are served at once: at 100 Mbit/s they cross in under 1.4 s, a round rarely lands
+meanwhile, and the wait would cost more than it saves (a restart in benchmarks/chaos.py: a 0.3 MB state, probed on
+four donors that are mostly in a round)."""
 
 
 class OuterState:
@@ -78,12 +82,13 @@ class OuterState:
     def for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs.
 
-        While a round is in flight the copy waits (up to SETTLE_WAIT_S) for it to land: the state it would serve
-        becomes one step old when the round lands, and a newcomer that downloads it (a restart over a 100 Mbit/s
-        link takes 7 s for 77 MB) merges one step behind and downloads the whole state again to realign
-        (benchmarks/restart_link.py). A few seconds' wait costs less than that second download.
+        While a round is in flight the copy of a large state (SETTLE_MIN_BYTES) waits (up to SETTLE_WAIT_S) for it
+        to land: the state it would serve becomes one step old when the round lands, and a newcomer that downloads
+        it (a restart over a 100 Mbit/s link takes 7 s for 77 MB) merges one step behind and downloads the whole
+        state again to realign (benchmarks/restart_link.py). A few seconds' wait costs less than that download.
         """
-        self._settled.wait(SETTLE_WAIT_S)
+        if 8 * self.optimizer.anchor.numel() >= SETTLE_MIN_BYTES:  # anchor and momentum, fp32
+            self._settled.wait(SETTLE_WAIT_S)
         with self.lock:
             tensors = [tensor.to("cpu", copy=True) for tensor in self.tensors()]
             step = self.outer_step
