@@ -207,17 +207,51 @@ def wait_until_folder_held(peer: PeerProcess, timeout: float = 120.0) -> bool:
 
 
 def useful_tokens(records: dict[int, list[dict]], until: float = float("inf")) -> int:
-    """Training tokens of every round that was not merged as stale, recorded by wall time `until`, summed over
-    islands."""
+    """Training tokens of every round that reached the swarm's model, recorded by wall time `until`, summed over
+    islands: not a round merged as stale, nor one the island stepped alone (no group) and then dropped when its next
+    round realigned it to the swarm's anchor (`dropped_solo_rounds`)."""
     useful = 0
     for recs in records.values():
         previous = 0
-        for record in recs:
+        for record, dropped in zip(recs, _dropped_by_resync(recs)):
             gained = record["tokens"] - previous
             previous = record["tokens"]
-            if record["time"] <= until and not (record.get("note") or "").count("stale"):
+            if record["time"] <= until and not dropped and not (record.get("note") or "").count("stale"):
                 useful += max(0, gained)
     return useful
+
+
+def _dropped_by_resync(recs: list[dict]) -> list[bool]:
+    """Per round: stepped alone, and the next round resynced the anchor (so that solo step was thrown away)."""
+    return [not r["partners"] and bool(n.get("resynced")) for r, n in zip(recs, recs[1:])] + [False] * bool(recs)
+
+
+def dropped_solo_rounds(records: dict[int, list[dict]]) -> int:
+    """Rounds an island stepped alone and then dropped by a resync, summed over islands."""
+    return sum(sum(_dropped_by_resync(recs)) for recs in records.values())
+
+
+def waiting_island_s(records: dict[int, list[dict]]) -> float:
+    """Island-seconds spent blocked on the swarm (matchmaking, all-reduce, resync), summed over every round."""
+    return sum(float(r.get("wait_s") or 0.0) for recs in records.values() for r in recs)
+
+
+def lost_at_kills_island_s(records: dict[int, list[dict]], faults: Faults, started_wall: float) -> float:
+    """Island-seconds of training a kill threw away: from the killed incarnation's last recorded round (or its
+    start) to the kill, work that never reached a merge."""
+    lost = 0.0
+    for index, killed_at in faults.kill_times:
+        began = max([started_wall] + [t for i, t in faults.restarts if i == index and t < killed_at])
+        recorded = [r["time"] for r in records[index] if began < r["time"] < killed_at]
+        lost += killed_at - max([began, *recorded])
+    return lost
+
+
+def median_step_s(records: dict[int, list[dict]]) -> float | None:
+    """Median seconds per inner step over a run's rounds: how fast this shared machine ran during the run (a frozen
+    island's stretched round is an outlier the median ignores)."""
+    per_step = [r["compute_s"] / r["inner_steps"] for recs in records.values() for r in recs if r.get("inner_steps")]
+    return statistics.median(per_step) if per_step else None
 
 
 def recovery_times(records: dict[int, list[dict]], faults: Faults) -> tuple[list[float | None], int]:
@@ -311,6 +345,12 @@ def run(mode: str, schedule: Schedule | None, *, budget: float, folder: Path, **
         "restarts_killed_before_merging": killed_before_merging,
         "restart_breakdown": restart_breakdown(records, faults),
         "schedule_downtime_island_s": schedule_downtime(schedule, kills=mode != "standby"),
+        "waiting_island_s": waiting_island_s(records),
+        "median_step_s": median_step_s(records),
+        "rounds_without_partners": sum(1 for recs in records.values() for r in recs if not r["partners"]),
+        "resyncs": sum(1 for recs in records.values() for r in recs if r.get("resynced")),
+        "dropped_solo_rounds": dropped_solo_rounds(records),
+        "lost_at_kills_island_s": lost_at_kills_island_s(records, faults, chaos.deadline_wall - budget),
         "errors": unexpected_errors(chaos, folder),
         "kills": faults.kills,
         "wall_s": wall,
@@ -381,19 +421,22 @@ def run_all(
     return runs
 
 
-def goodput_breakdown(faulty: dict, goodput: float, islands: int, budget: float) -> dict:
+def goodput_breakdown(faulty: dict, clean: dict, goodput: float, islands: int, budget: float) -> dict:
     """Shares of the clean run's tokens: kept (the goodput), taken by the schedule (killed until restarted, frozen),
-    spent restarting (process start, join, state), and the rest (lost rounds, waiting, stale merges)."""
+    spent restarting (process start, join, state), thrown away by kills (training since the last merge), waited
+    on the swarm beyond the clean run's share (frozen or dead partners, failed groups), and the rest (stale merges,
+    slower rounds)."""
     capacity = islands * budget
     scheduled = faulty["schedule_downtime_island_s"] / capacity
     restarting = sum(sum(r[p] for p in STARTUP_PHASES) for r in faulty["restart_breakdown"]) / capacity
-    return {
-        "goodput": goodput,
-        "schedule_downtime": scheduled,
-        "restart_startup": restarting,
-        "other": max(0.0, 1.0 - goodput - scheduled - restarting),
-        "goodput_of_available": goodput / (1.0 - scheduled) if scheduled < 1 else None,
-    }
+    shares = {"goodput": goodput, "schedule_downtime": scheduled, "restart_startup": restarting}
+    if "lost_at_kills_island_s" in faulty and "waiting_island_s" in clean:
+        shares["lost_at_kills"] = faulty["lost_at_kills_island_s"] / capacity
+        available = 1.0 - scheduled - restarting  # the clean run waits this share as often
+        shares["extra_waiting"] = (faulty["waiting_island_s"] - available * clean["waiting_island_s"]) / capacity
+    shares["other"] = max(0.0, 1.0 - sum(shares.values()))
+    shares["goodput_of_available"] = goodput / (1.0 - scheduled) if scheduled < 1 else None
+    return shares
 
 
 def mean_restart(breakdown: list[dict]) -> dict:
@@ -402,11 +445,21 @@ def mean_restart(breakdown: list[dict]) -> dict:
     return {key: sum(r[key] for r in breakdown) / len(breakdown) for key in keys} if breakdown else {}
 
 
-def pair_goodputs(runs: list[dict], mode: str) -> list[float]:
-    """Goodput of each (clean, faulty) pair of runs of `mode`: the faulty run's tokens/s over the clean run's."""
+def pair_goodputs(runs: list[dict], mode: str, *, speed_normalized: bool = False) -> list[float]:
+    """Goodput of each (clean, faulty) pair of runs of `mode`: the faulty run's tokens/s over the clean run's.
+
+    `speed_normalized`: each run's useful tokens weighed by its median step time, i.e. useful compute-seconds (a
+    step is a fixed number of tokens): the ratio then counts lost time alone, not the machine running slower in
+    one run of the pair (clean runs alone moved 20.9-26.7k tok/s on this shared host, inner steps 1.5-2.3 s).
+    """
     by = {(r["faults"], r.get("pair", 0)): r for r in runs if r["mode"] == mode}
     pairs = sorted({pair for _, pair in by})
-    return [by[(True, p)]["goodput_tokens_per_s"] / max(1e-9, by[(False, p)]["goodput_tokens_per_s"]) for p in pairs]
+
+    def useful(run: dict) -> float:
+        speed = run.get("median_step_s") if speed_normalized else 1.0
+        return run["goodput_tokens_per_s"] * (speed if speed is not None else float("nan"))
+
+    return [useful(by[(True, p)]) / max(1e-9, useful(by[(False, p)])) for p in pairs]
 
 
 def summarise(runs: list[dict], islands: int, budget: float) -> dict:
@@ -416,13 +469,17 @@ def summarise(runs: list[dict], islands: int, budget: float) -> dict:
     modes = list(dict.fromkeys(r["mode"] for r in runs))
     per_pair = {mode: pair_goodputs(runs, mode) for mode in modes}
     goodput = {mode: statistics.mean(values) for mode, values in per_pair.items()}
+    normalized = {mode: pair_goodputs(runs, mode, speed_normalized=True) for mode in modes}
     return {
         "goodput_breakdown": {
-            mode: goodput_breakdown(by[(mode, True)], goodput[mode], islands, budget) for mode in modes
+            mode: goodput_breakdown(by[(mode, True)], by[(mode, False)], goodput[mode], islands, budget)
+            for mode in modes
         },
         "restart_breakdown_mean_s": {mode: mean_restart(by[(mode, True)]["restart_breakdown"]) for mode in modes},
         "goodput": goodput,
         "goodput_pairs": per_pair,
+        "goodput_speed_normalized": {mode: statistics.mean(values) for mode, values in normalized.items()},
+        "goodput_speed_normalized_pairs": normalized,
         "final_eval_loss": {mode: by[(mode, True)]["final_eval_loss"] for mode in modes},
         "restart_to_first_merge_s": {mode: by[(mode, True)]["restart_to_first_merge_s"] for mode in modes},
         "restarts_killed_before_merging": {mode: by[(mode, True)]["restarts_killed_before_merging"] for mode in modes},
@@ -435,6 +492,8 @@ CARRIED_KEYS = (
     "restart_breakdown_mean_s",
     "goodput",
     "goodput_pairs",
+    "goodput_speed_normalized",
+    "goodput_speed_normalized_pairs",
     "final_eval_loss",
     "restart_to_first_merge_s",
     "restarts_killed_before_merging",
@@ -490,6 +549,8 @@ def main(argv: list[str] | None = None) -> int:
         help="run only these modes; the others' figures are carried over from the last result of the same schedule",
     )
     args = parser.parse_args(argv)
+    # A SIGTERM (a stopped make bench) unwinds like Ctrl-C, so the islands' CPU cgroups are removed on the way out.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     preset = "smoke" if args.smoke else "quick" if args.quick else "full"
     islands, budget, kill_every, restart_after, stop_every, stop_for = PRESETS[preset]
     timing = dict(kill_every=kill_every, restart_after=restart_after, stop_every=stop_every, stop_for=stop_for)

@@ -87,6 +87,37 @@ def test_a_restart_killed_before_merging_has_no_breakdown() -> None:
     assert only["total_s"] == 20.0 and only["first_round_s"] == 12.0
 
 
+def test_a_kill_loses_the_training_since_the_incarnations_last_round() -> None:
+    from chaos import Faults, lost_at_kills_island_s, waiting_island_s
+
+    records = {0: [{"time": 105.0, "wait_s": 1.5}, {"time": 112.0, "wait_s": 0.5}, {"time": 150.0, "wait_s": 2.0}]}
+    # Killed at 120 (last round 112), restarted at 130, killed again at 140 before it recorded a round.
+    faults = Faults(kills=2, kill_times=[(0, 120.0), (0, 140.0)], restarts=[(0, 130.0)])
+    assert lost_at_kills_island_s(records, faults, started_wall=100.0) == 8.0 + 10.0
+    assert waiting_island_s(records) == 4.0
+
+
+def test_a_round_stepped_alone_and_dropped_by_the_next_resync_is_not_useful() -> None:
+    from chaos import dropped_solo_rounds, useful_tokens
+
+    rounds = [(100, 2, False), (200, 0, False), (300, 3, True), (400, 0, False), (500, 2, False)]
+    records = {0: [{"tokens": t, "partners": p, "resynced": r, "time": 1.0} for t, p, r in rounds]}
+    # The second round stepped alone and the third realigned to the swarm: its 100 tokens never reached the model.
+    # The fourth stepped alone too, but the fifth merged without a resync: its step stood.
+    assert useful_tokens(records) == 400 and dropped_solo_rounds(records) == 1
+
+
+def test_speed_normalized_goodput_weighs_each_run_by_its_step_time() -> None:
+    from chaos import pair_goodputs
+
+    # The faulty run trained 3/4 of the clean run's tokens, but on a host running its steps 4/3 as slow: it lost
+    # no time to faults; the token ratio alone says 0.75.
+    clean = {"mode": "decoupled", "faults": False, "pair": 0, "goodput_tokens_per_s": 400.0, "median_step_s": 0.3}
+    faulty = {"mode": "decoupled", "faults": True, "pair": 0, "goodput_tokens_per_s": 300.0, "median_step_s": 0.4}
+    assert pair_goodputs([clean, faulty], "decoupled") == [0.75]
+    assert pair_goodputs([clean, faulty], "decoupled", speed_normalized=True) == [pytest.approx(1.0)]
+
+
 def test_a_plain_run_carries_the_standby_figures_over_dated_and_only_from_the_same_schedule(tmp_path: Path) -> None:
     from chaos import CARRIED_KEYS, carry_over
 

@@ -18,6 +18,7 @@ def chaos(data: dict) -> str:
             ),
             data["goodput"][mode],
             ", ".join(fmt(x, 3) for x in data.get("goodput_pairs", {}).get(mode, [])) or "-",
+            data.get("goodput_speed_normalized", {}).get(mode, "-"),
             data["final_eval_loss"][mode],
             ", ".join(fmt(x, 1) for x in data["restart_to_first_merge_s"][mode]) or "-",
             data.get("restarts_killed_before_merging", {}).get(mode, "-"),
@@ -25,7 +26,8 @@ def chaos(data: dict) -> str:
         ]
         for mode in data["goodput"]
     ]
-    header = ["mode", "goodput (vs no faults)", "each pair of runs", "final eval loss", "restart → first merge (s)"]
+    header = ["mode", "goodput (vs no faults)", "each pair of runs", "weighed by step time", "final eval loss"]
+    header += ["restart → first merge (s)"]
     header += ["restarts killed again before merging", "unexpected errors"]
     text = table(header, rows)
     if "cpu_quota" in data:
@@ -36,7 +38,8 @@ def chaos(data: dict) -> str:
         )
     shares, phases = data.get("goodput_breakdown", {}), data.get("restart_breakdown_mean_s", {})
     if shares:
-        keys = ("schedule_downtime", "restart_startup", "other", "goodput_of_available")
+        keys = ("schedule_downtime", "restart_startup", "lost_at_kills", "extra_waiting", "other")
+        keys += ("goodput_of_available",)
         text += "\n\nWhere the clean run's tokens went (shares of islands × budget):\n\n"
         text += table(["mode", *keys], [[mode, *(shares[mode].get(key) for key in keys)] for mode in shares])
     if phases:

@@ -225,15 +225,36 @@ def _chaos(data: dict, results: dict) -> list[Row]:
     if shares:
         why = (
             f"of the clean run's island time, the schedule itself takes {shares.get('schedule_downtime', 0):.2f} "
-            f"(killed and frozen islands), restarts' process start {shares.get('restart_startup', 0):.2f}, and "
-            f"{shares.get('other', 0):.2f} the survivors' waits and lost rounds (an island frozen inside an "
-            "all-reduce is given up on once its direct lanes fall silent for 3 s, heartbeats aside: its partners' "
-            "round failed after 4.5 s in these runs, where an 8 s freeze held them 8.3-8.4 s before; an island "
-            "frozen between rounds is pinged once it misses one and not waited for once it does not answer, and a "
-            "killed one's closed connections tell its partners at once; clean runs alone varied 22.8-26.7k tok/s "
-            "here, so one pair's ratio moves by as much as these waits); even with no "
-            f"waits, {1 - shares.get('schedule_downtime', 0) - shares.get('restart_startup', 0):.2f} is the ceiling "
-            "of this schedule unless restarts are instant"
+            f"(killed and frozen islands), restarts' process start {shares.get('restart_startup', 0):.2f}"
+        )
+        if "lost_at_kills" in shares:
+            why += (
+                f", kills {shares['lost_at_kills']:.2f} (training since the killed island's last merge, and an "
+                "incarnation killed again before it merged), waits beyond the clean run's "
+                f"{shares.get('extra_waiting', 0):.2f} (a group whose leader or member froze or died fails for all "
+                "its members after the 2 s search bound, and each rejoins by a resync the next round) and "
+                f"{shares.get('other', 0):.2f} the rest (stale merges, slower rounds, the machine's own speed)"
+            )
+        else:
+            why += f", and {shares.get('other', 0):.2f} the survivors' waits and lost rounds"
+        faulty = [r for r in data.get("runs", []) if r["mode"] == "decoupled" and r["faults"]]
+        if faulty and "rounds_without_partners" in faulty[0]:
+            alone = "/".join(str(r["rounds_without_partners"]) for r in faulty)
+            resyncs = "/".join(str(r["resyncs"]) for r in faulty)
+            dropped = "/".join(str(r.get("dropped_solo_rounds", "?")) for r in faulty)
+            why += (
+                f"; rounds that found no group {alone}, resyncs {resyncs}, rounds stepped alone and dropped by the "
+                f"next resync (not counted as useful) {dropped} (each faulty run)"
+            )
+        normalized = data.get("goodput_speed_normalized", {}).get("decoupled")
+        if normalized is not None:
+            why += (
+                f"; weighed by each run's median step time (this shared host ran a pair's two runs at different "
+                f"speeds) the goodput is {normalized:.2f}"
+            )
+        why += (
+            f"; even with no waits, {1 - shares.get('schedule_downtime', 0) - shares.get('restart_startup', 0):.2f} "
+            "is the ceiling of this schedule unless restarts are instant"
         )
     out = [("goodput under chaos, decoupled", f"{goodput:.2f}", ">= 0.90", goodput >= 0.90, why)]
     out += _chaos_standby(data)
@@ -242,8 +263,10 @@ def _chaos(data: dict, results: dict) -> list[Row]:
         times = phases["total_s"] / phases["restore_s"]
         why = (
             f"starting the process takes {phases.get('process_start_s', 0):.1f} s (Python, torch and hivemind imports "
-            f"under a 0.4-core quota) and the first round {phases.get('first_round_s', 0):.1f} s (the swarm's next "
-            f"round), against {phases['restore_s']:.1f} s of state transfer"
+            "under a 0.4-core quota: about 5 CPU-s, of which torch 1.8 s and torch._dynamo 1.7-2.2 s, which "
+            "torch.optim imports at the first optimizer and needs at every step) and the first round "
+            f"{phases.get('first_round_s', 0):.1f} s (the swarm's next round), against "
+            f"{phases['restore_s']:.1f} s of state transfer"
         )
         warm = data.get("restart_breakdown_mean_s", {}).get("standby", {})
         if warm.get("restore_s") and warm.get("total_s"):
