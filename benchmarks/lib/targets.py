@@ -248,15 +248,28 @@ def _chaos(data: dict, results: dict) -> list[Row]:
             )
         normalized = data.get("goodput_speed_normalized", {}).get("decoupled")
         if normalized is not None:
+            steps = {
+                faults: "/".join(
+                    f"{1000 * r['median_step_s']:.0f}"
+                    for r in data.get("runs", [])
+                    if r["mode"] == "decoupled" and r["faults"] == faults and r.get("median_step_s")
+                )
+                for faults in (False, True)
+            }
             why += (
                 f"; weighed by each run's median step time (this shared host ran a pair's two runs at different "
-                f"speeds) the goodput is {normalized:.2f}"
+                f"speeds: {steps[False]} ms per step without faults, {steps[True]} with) the goodput is "
+                f"{normalized:.2f}"
             )
         why += (
             f"; even with no waits, {1 - shares.get('schedule_downtime', 0) - shares.get('restart_startup', 0):.2f} "
             "is the ceiling of this schedule unless restarts are instant"
         )
-    out = [("goodput under chaos, decoupled", f"{goodput:.2f}", ">= 0.90", goodput >= 0.90, why)]
+    # Met only if the figure holds weighed by step time too: a pair whose clean run the host ran slower reads high.
+    weighed = data.get("goodput_speed_normalized", {}).get("decoupled")
+    figure = f"{goodput:.2f}" + (f" ({weighed:.2f} weighed by step time)" if weighed is not None else "")
+    met = goodput >= 0.90 and (weighed is None or weighed >= 0.90)
+    out = [("goodput under chaos, decoupled", figure, ">= 0.90", met, why)]
     out += _chaos_standby(data)
     phases = data.get("restart_breakdown_mean_s", {}).get("decoupled", {})
     if phases.get("restore_s") and phases.get("total_s"):

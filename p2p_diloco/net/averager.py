@@ -34,6 +34,7 @@ from p2p_diloco.diloco.staleness import (
 )
 from p2p_diloco.net.allreduce import StrictAllReduceRunner
 from p2p_diloco.net.counters import ByteCounters
+from p2p_diloco.net.departing_followers import start_without_departing_followers
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
@@ -120,6 +121,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
     async def _step(self, **kwargs: Any) -> None:
         pace_lookups(self._matchmaking.group_key_manager, self.leader_poll_s)  # idempotent; Matchmaking exists now
         detach_withdrawals(self._matchmaking.group_key_manager)  # idempotent too
+        start_without_departing_followers(self._matchmaking)  # and this
         await super()._step(**kwargs)
 
     def get_current_state(self) -> tuple[dict[str, Any], Sequence[torch.Tensor], None]:
