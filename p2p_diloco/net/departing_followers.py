@@ -35,18 +35,14 @@ class StartWithoutDepartingFollowers:
         matchmaking = self._matchmaking
         now = get_dht_time()
         for peer, request in list(matchmaking.current_followers.items()):
-            ends_in = departure_in(request.expiration, matchmaking.request_timeout, now)
+            # The follower's own bound (_request_join_group): its declared expiration plus request_timeout.
+            ends_in = request.expiration + matchmaking.request_timeout - now
             if ends_in < DEPARTURE_MARGIN_S:
                 # Its rpc_join_group sees it missing from the group and tells it GROUP_DISBANDED, if it still listens.
                 del matchmaking.current_followers[peer]
                 self.left_out += 1
                 logger.info(f"left {peer} out of the group: it stops waiting for the go in {ends_in:.2f} s")
         return await self._assemble()
-
-
-def departure_in(expiration: float, request_timeout: float, now: float) -> float:
-    """Seconds until an accepted follower with this declared `expiration` stops waiting for the go (at least)."""
-    return expiration + request_timeout - now
 
 
 def start_without_departing_followers(matchmaking: Any) -> StartWithoutDepartingFollowers:
