@@ -95,7 +95,10 @@ def test_survivors_of_a_killed_island_stop_waiting_out_the_window_for_it(local_s
         assert all(r["partners"] == 1 for r in last), [(r["outer_step"], r["partners"]) for r in last]
         # The round under way at the kill may have grouped with the victim; from the next one on, its closed
         # connection tells the survivors it is gone (its recent merges alone kept it expected for 3 rounds).
-        after = [r for r in peer.records() if r["time"] > killed_at][1:]
+        # Only merged rounds tell: one still waiting for the victim ends merged with the other survivor at the
+        # window's end, while a round both survivors lost to a matchmaking race waits out its own bounds whoever is
+        # expected (seen once in CI: island-1 assembled a group with island-0 in 0.03 s, island-0 never joined it).
+        after = [r for r in peer.records() if r["time"] > killed_at and r["partners"] > 0][1:]
         waits = [round(r["wait_s"], 2) for r in after]
         assert after and max(waits) < window / 2, f"{peer.name} still waited out the {window} s window: {waits}"
 
