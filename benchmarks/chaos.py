@@ -12,7 +12,7 @@ island's CPU sped the others up and a restarting island's imports slowed them do
     python benchmarks/chaos.py            # 5 islands, 90 s per run, 6 runs (about 11 minutes)
     python benchmarks/chaos.py --extended # and the standby mode's 2 runs (make bench-all; about 14 minutes)
     python benchmarks/chaos.py --modes standby  # one mode; the others carried over from the last result
-    python benchmarks/chaos.py --quick    # 3 islands, 30 s per run
+    python benchmarks/chaos.py --quick    # 3 islands, 22 s per run
     python benchmarks/chaos.py --smoke    # 3 islands, tiny model, short runs (used by the tests)
 """
 
@@ -46,7 +46,7 @@ the time."""
 # mode: islands, budget, kill_every, restart_after, stop_every, stop_for
 PRESETS = {
     "smoke": (3, 26.0, 9.0, 4.0, 14.0, 4.0),
-    "quick": (3, 30.0, 10.0, 5.0, 14.0, 4.0),
+    "quick": (3, 22.0, 9.0, 4.0, 14.0, 4.0),
     "full": (5, 90.0, 30.0, 10.0, 40.0, 8.0),
 }
 
@@ -531,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the modes with and without the fault schedule; write chaos.json and chaos.png."""
     parser = benchmark_parser(
         __doc__,
-        quick="3 islands, 30 s per run",
+        quick="3 islands, 22 s per run",
         smoke="3 islands, tiny model, short runs (used by the tests)",
         extended="also the standby mode (else its figures are carried over from the last result, dated)",
     )

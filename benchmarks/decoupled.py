@@ -7,7 +7,7 @@ wall-clock time the fast islands spent blocked on the network.
 
     python benchmarks/decoupled.py            # 4 configurations, 30 s each (about 3.5 minutes on 2 cores)
     python benchmarks/decoupled.py --extended # all 7 (make bench-all; about 6 minutes)
-    python benchmarks/decoupled.py --quick    # synchronous, K=1 without and with grace; 15 s each
+    python benchmarks/decoupled.py --quick    # synchronous, K=1 without and with grace; 12 s each
     python benchmarks/decoupled.py --smoke    # two configurations on the tiny model (used by the tests)
 """
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the configurations and write benchmarks/results/decoupled.json and decoupled.png."""
     parser = benchmark_parser(
         __doc__,
-        quick="3 configurations, 15 s each",
+        quick="3 configurations, 12 s each",
         smoke="two configurations, tiny model, seconds each",
         extended="also the plain-mean merges and Delayed Nesterov (else carried over from the last result, dated)",
     )
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     skipped = [] if args.extended or args.smoke or args.quick else EXTENDED_CONFIGS
     chosen = [name for name in chosen if name not in skipped]
     configs = [c for c in CONFIGS if c[0] in chosen]
-    budget = args.budget or (12 if args.smoke else 15 if args.quick else 30)
+    budget = args.budget or (12 if args.smoke or args.quick else 30)
     inner_steps = 10 if args.smoke else 20
     rows = []
     for name, mode, merge, flags in configs:

@@ -8,7 +8,7 @@ each round on all peers at once with a "GO" line on stdin and reads one "ROUND <
 Each round is checked against the true mean (with a codec: within three times its own rounding).
 
     python benchmarks/exchange.py            # 10M and 50M values x 2 and 4 peers, plus a profile run
-    python benchmarks/exchange.py --quick    # 10M values x 2 peers, plus a profile run
+    python benchmarks/exchange.py --quick    # 10M values x 2 peers, no profile run
     python benchmarks/exchange.py --smoke    # 1M values, 2 peers, 1 timed round (used by the tests)
 """
 
@@ -77,7 +77,11 @@ def configurations(systems: list[str], codecs: list[str]) -> list[tuple[str, str
 
 def run_all(args: argparse.Namespace, values: list[int], peers: list[int], rounds: int) -> tuple[list, list]:
     """Every configuration of every system, then the profiled runs: (rows, profile rows)."""
-    profile = [] if args.smoke or args.no_profile else [s for s in ("hivemind", "p2p_diloco") if s in args.systems]
+    profile = (
+        []
+        if args.smoke or args.quick or args.no_profile
+        else [s for s in ("hivemind", "p2p_diloco") if s in args.systems]
+    )
     rows, profile_rows = [], []
     with (
         tempfile.TemporaryDirectory(prefix="exchange-bench-") as tmp,

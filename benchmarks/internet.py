@@ -8,7 +8,7 @@ seconds per round after the first, merged rounds, and what `p2p-diloco status --
 root and iproute2/iptables; prints why and writes nothing otherwise.
 
     python benchmarks/internet.py            # 12 outer steps per setting
-    python benchmarks/internet.py --quick    # 6
+    python benchmarks/internet.py --quick    # 4
     python benchmarks/internet.py --smoke    # 3
 """
 
@@ -26,7 +26,7 @@ from lib.netns import Internet, available
 
 from p2p_diloco.cli.launcher import LocalSwarm
 
-STEPS = {"smoke": 3, "quick": 6, "full": 12}
+STEPS = {"smoke": 3, "quick": 4, "full": 12}
 
 
 def setting(folder: Path, relayed: bool, steps: int) -> dict:
@@ -102,7 +102,7 @@ def summary(result: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Run both settings and write internet.json."""
-    parser = benchmark_parser(__doc__, quick="6 outer steps per setting", smoke="3 outer steps (used by the tests)")
+    parser = benchmark_parser(__doc__, quick="4 outer steps per setting", smoke="3 outer steps (used by the tests)")
     args = parser.parse_args(argv)
     if (reason := available()) is not None:
         print(f"skipped: separate hosts need network namespaces ({reason})")

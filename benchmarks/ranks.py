@@ -11,7 +11,7 @@ FSDP2 ranks (an all-gather per parameter out, a scatter per parameter in). The r
 GPU with NCCL initialised and for the 150M-shaped Llama.
 
     python benchmarks/ranks.py            # 2 rounds of H = 20 per island, 3 outer steps per size
-    python benchmarks/ranks.py --quick    # 2 rounds of H = 10, 3 outer steps, 1M and 10M
+    python benchmarks/ranks.py --quick    # 2 rounds of H = 6, 2 outer steps, 1M and 10M
     python benchmarks/ranks.py --smoke    # 2 rounds of H = 3, 2 outer steps, 1M only (used by the tests)
 """
 
@@ -150,7 +150,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure, print, and write ranks.json and ranks.png."""
-    parser = benchmark_parser(__doc__, quick="2 rounds of H = 10, 1M and 10M", smoke="H = 3, 1M only")
+    parser = benchmark_parser(__doc__, quick="2 rounds of H = 6, 1M and 10M", smoke="H = 3, 1M only")
     parser.add_argument("--worker", help=argparse_hidden())
     parser.add_argument("--sizes", nargs="+", help=argparse_hidden())
     parser.add_argument("--repeats", type=int, help=argparse_hidden())
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker(args.sizes, args.repeats, args.worker, args.worker_out)
         return 0
-    rounds, steps, repeats = (2, 3, 2) if args.smoke else (2, 10, 3) if args.quick else (2, 20, 3)
+    rounds, steps, repeats = (2, 3, 2) if args.smoke else (2, 6, 2) if args.quick else (2, 20, 3)
     sizes = ["1M"] if args.smoke else ["1M", "10M"] if args.quick else list(SIZES)
     folder = args.out / "ranks-runs"
     folder.mkdir(parents=True, exist_ok=True)

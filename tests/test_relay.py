@@ -139,8 +139,9 @@ def test_hivemind_round_failures_become_one_debug_line(caplog: pytest.LogCapture
         except RuntimeError as error:
             logger.exception(error)
         logger.error("something else went wrong")
+        logger.warning("DecoupledAverager caught AllreduceException('partial all-reduce'), retrying")
     records = [(r.levelname, r.exc_info) for r in caplog.records if r.name == "hivemind.averaging.averager"]
-    assert records == [("DEBUG", None), ("ERROR", None)]
+    assert records == [("DEBUG", None), ("ERROR", None), ("INFO", None)]  # a retry says why, in one line
 
 
 SCRIPT = """

@@ -4,6 +4,9 @@ A round that finds no partner, or whose group falls apart, is part of normal ope
 it as `ExchangeResult.error` and the island logs one INFO line of its own per round. hivemind's averager also logs
 it, from its child process, as an ERROR with a full traceback (`logger.exception`) or a WARNING before a retry.
 These filters turn those records into one DEBUG line; they must be installed before the averager process forks.
+A failed group that hivemind retries within the same round ("caught ..., retrying") becomes one INFO line instead:
+the island's own line reports only the round's last error, and the first one is the one that says why a group
+fell apart (in CI, an island left a fresh group at once, retried and found nobody, with no trace of why).
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ _ROUND_FAILURES = (
     "could not find a group",
     "Unable to run All-Reduce",
     "partial all-reduce",
-    "caught ",
     "gave up on the rest of the round",
 )
 
 
 class _DemoteRoundFailures(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING and record.getMessage().endswith(", retrying"):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+            record.exc_info = record.exc_text = None
+            return logging.getLogger(record.name).isEnabledFor(logging.INFO)
         if record.levelno >= logging.WARNING and any(text in record.getMessage() for text in _ROUND_FAILURES):
             record.levelno, record.levelname = logging.DEBUG, "DEBUG"
             record.exc_info = record.exc_text = None
