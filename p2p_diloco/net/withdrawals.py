@@ -1,4 +1,4 @@
-"""Matchmaking that ends without waiting for its withdrawal from the DHT.
+"""Matchmaking that ends without waiting for its withdrawal from the DHT, and retries that others can find.
 
 When an island's search for a group ends, hivemind's `PotentialLeaders.begin_search` cancels its declaration task
 and waits for it, and that task's `finally` stores a withdrawal (the island no longer looks for a group) in the
