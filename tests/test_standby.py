@@ -21,10 +21,13 @@ from p2p_diloco.cli.launcher import spawn
 from p2p_diloco.island.ownership import CheckpointFolderLock
 lock = CheckpointFolderLock(sys.argv[1])
 lock.acquire_or_refuse()
+forked_read, forked_write = os.pipe()
 child = os.fork()
 if child == 0:  # a forked helper, as the DHT and averager processes are: it must not keep the folder
+    os.write(forked_write, b"1")  # past os.fork, so its at-fork hooks ran: what the test checks is in place
     sys.stdin.read()
     os._exit(0)
+os.read(forked_read, 1)
 print("HELD", child, flush=True)
 sys.stdin.read()
 """
