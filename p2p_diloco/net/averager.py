@@ -37,6 +37,7 @@ from p2p_diloco.net.counters import ByteCounters
 from p2p_diloco.net.departing_followers import start_without_departing_followers
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.join_races import join_responses
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_size_for
@@ -242,7 +243,8 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         if self.gate.banned(peer) or (self.gate.private and self.gate.admit(peer, token) is not None):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        async for response in super().rpc_join_group(request, context):
+        responses = super().rpc_join_group(request, context)
+        async for response in join_responses(self._matchmaking, request, context.remote_id, responses):
             yield response
 
     async def rpc_aggregate_part(
