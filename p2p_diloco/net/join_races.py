@@ -27,8 +27,8 @@ from hivemind.utils import get_logger
 logger = get_logger(__name__)
 
 STALE_MARGIN_S = 0.1
-"""A request still waiting for the lock this close to its asker's `request_timeout` is refused: the acceptance
-would reach an asker that has left, or is about to."""
+"""A request accepted this close to its asker's `request_timeout` (or later) is refused: the acceptance would reach
+an asker that has left, or is about to."""
 
 
 def asks_out_of_order(request: averaging_pb2.JoinRequest, matchmaking: Any) -> bool:
@@ -54,12 +54,10 @@ async def join_responses(
         yield averaging_pb2.MessageFromLeader(code=averaging_pb2.BAD_EXPIRATION_TIME)
         return
     async for response in responses:
-        if response.code == averaging_pb2.ACCEPTED and time.monotonic() - arrived > matchmaking.request_timeout - (
-            STALE_MARGIN_S
-        ):
+        waited = time.monotonic() - arrived
+        if response.code == averaging_pb2.ACCEPTED and waited > matchmaking.request_timeout - STALE_MARGIN_S:
             # Taken in while the lock was held by others; hivemind has not started a group with it yet (it does
             # after this answer): closing its handler here drops it from the followers.
-            waited = time.monotonic() - arrived
             logger.info(f"refused {asker} as a follower: its request waited {waited:.2f} s, past its timeout")
             await responses.aclose()
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
