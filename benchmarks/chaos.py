@@ -41,8 +41,9 @@ EXTENDED_MODES = {"standby"}
 result of the same schedule, dated: standby changes only with the takeover code, and its two runs are a quarter of
 the time."""
 # standby: the decoupled mode with a standby per island (`--standby true`, under the island's CPU quota) that takes
-# over at a kill; the scheduled restart starts the next standby. Standbys train until the harness stops every island
-# at the budget's end (SIGTERM), and only rounds recorded by then count.
+# over at a kill; the scheduled restart starts the next standby. The schedule and a window of `budget` seconds start
+# once every standby is warm; the harness stops every island at the window's end (SIGTERM), and only rounds recorded
+# in the window count.
 # mode: islands, budget, kill_every, restart_after, stop_every, stop_for
 PRESETS = {
     "smoke": (3, 26.0, 9.0, 4.0, 14.0, 4.0),
@@ -126,7 +127,10 @@ class ChaosSwarm:
         """Start island `index` (again) for `remaining` seconds: it resumes from its checkpoint, appends metrics."""
         flags = [flag.format(n=self.islands) for flag in MODES[self.mode]]
         args = ["--shard-index", str(index), "--num-shards", str(self.islands), "--outer-steps", "100000"]
-        args += ["--time-budget-s", str(max(1.0, remaining)), "--inner-steps", str(self.inner_steps)]
+        # Standby mode: the harness stops every island at the window's end, which starts only once the standbys are
+        # warm, after the islands' own budgets (counted from their join) would have begun.
+        budget = "0" if self.mode == "standby" else str(max(1.0, remaining))
+        args += ["--time-budget-s", budget, "--inner-steps", str(self.inner_steps)]
         args += ["--target-group-size", str(self.islands), "--next-chunk-timeout", "3", "--batch-size", "8", *flags]
         return self.swarm.peer(f"island-{index}", *args, config=self.config, command_prefix=self.quotas.prefix(index))
 
@@ -152,6 +156,11 @@ class ChaosSwarm:
                 for index in range(self.islands):
                     wait_until_folder_held(self.island(index))
                     self.start_standby(index)
+                # The schedule and the counted window start once every standby is warm: a kill before that tests a
+                # cold start, and on a slow host (islands 18 s to start in CI) it left the standby too little time.
+                for standby in self.standbys.values():
+                    wait_until_standby_waits(standby)
+                self.started, self.deadline_wall = time.monotonic(), time.time() + self.budget
             faults = self.inject(schedule.events if schedule else [])
             if self.mode == "standby":
                 self.stop_at_deadline()
@@ -206,17 +215,29 @@ def wait_until_folder_held(peer: PeerProcess, timeout: float = 120.0) -> bool:
     return False
 
 
-def useful_tokens(records: dict[int, list[dict]], until: float = float("inf")) -> int:
-    """Training tokens of every round that reached the swarm's model, recorded by wall time `until`, summed over
-    islands: not a round merged as stale, nor one the island stepped alone (no group) and then dropped when its next
-    round realigned it to the swarm's anchor (`dropped_solo_rounds`)."""
+def wait_until_standby_waits(standby: PeerProcess, timeout: float = 120.0) -> bool:
+    """Whether `standby` is warm (imports, model and data done) and waits for its folder, before it ended or
+    `timeout`: its log says so (`ownership.FolderOwnership.wait`), the one sign it gives."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and standby.running:
+        if "standby: waiting to take over" in standby.log_text():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def useful_tokens(records: dict[int, list[dict]], until: float = float("inf"), since: float = 0.0) -> int:
+    """Training tokens of every round that reached the swarm's model, recorded after wall time `since` and by
+    `until`, summed over islands: not a round merged as stale, nor one the island stepped alone (no group) and then
+    dropped when its next round realigned it to the swarm's anchor (`dropped_solo_rounds`)."""
     useful = 0
     for recs in records.values():
         previous = 0
         for record, dropped in zip(recs, _dropped_by_resync(recs)):
             gained = record["tokens"] - previous
             previous = record["tokens"]
-            if record["time"] <= until and not dropped and not (record.get("note") or "").count("stale"):
+            counted = since < record["time"] <= until
+            if counted and not dropped and not (record.get("note") or "").count("stale"):
                 useful += max(0, gained)
     return useful
 
@@ -332,7 +353,10 @@ def run(mode: str, schedule: Schedule | None, *, budget: float, folder: Path, **
     faults = chaos.run(schedule)
     wall = time.monotonic() - chaos.started
     records = {index: chaos.island(index).records() for index in range(islands)}
-    useful = useful_tokens(records, until=chaos.deadline_wall if mode == "standby" else float("inf"))
+    if mode == "standby":  # the harness's window: it stops every island at its end
+        useful = useful_tokens(records, since=chaos.deadline_wall - budget, until=chaos.deadline_wall)
+    else:
+        useful = useful_tokens(records)
     recovery, killed_before_merging = recovery_times(records, faults)
     final = [recs[-1]["eval_loss"] for recs in records.values() if recs]
     return {
