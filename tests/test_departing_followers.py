@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
+from hivemind.utils import MSGPackSerializer, get_dht_time
 
 from p2p_diloco.net.departing_followers import (
+    DEADLINE_GATHER_KEY,
     DEPARTURE_MARGIN_S,
     StartWithoutDepartingFollowers,
     start_without_departing_followers,
+    told_deadline,
 )
 
 
@@ -20,9 +22,11 @@ class LeaderMatchmaking:
 
     request_timeout = 0.8
 
-    def __init__(self, expirations: dict[str, float]) -> None:
+    def __init__(self, expirations: dict[str, float], gathers: dict[str, bytes] | None = None) -> None:
+        gathers = gathers or {}
         self.current_followers = {
-            peer: averaging_pb2.JoinRequest(expiration=expiration) for peer, expiration in expirations.items()
+            peer: averaging_pb2.JoinRequest(expiration=expiration, gather=gathers.get(peer, b""))
+            for peer, expiration in expirations.items()
         }
 
     async def leader_assemble_group(self) -> list[str]:
@@ -52,3 +56,35 @@ def test_installing_twice_wraps_once() -> None:
     assert isinstance(first, StartWithoutDepartingFollowers)
     assert start_without_departing_followers(matchmaking) is first
     assert asyncio.run(matchmaking.leader_assemble_group()) == ["leader"]
+
+
+def gather_of(metadata: object) -> bytes:
+    """A join request's gather as hivemind's averager builds it around an island's metadata."""
+    return MSGPackSerializer.dumps([1.0, 0, MSGPackSerializer.dumps(metadata)])
+
+
+def test_a_follower_whose_step_ends_before_its_request_would_is_left_out() -> None:
+    # A second declaration runs up to the step's deadline, so the request's bound (expiration + request_timeout)
+    # lies request_timeout past the moment the follower stops waiting (seen in chaos runs: it left at 2.0 s).
+    now = get_dht_time()
+    expiration = now + 0.1  # hivemind's bound: 0.9 s from now, the go would reach it
+    matchmaking = LeaderMatchmaking(
+        {"steps-out": expiration, "steps-on": expiration, "stock": expiration, "garbled": expiration},
+        {
+            "steps-out": gather_of({DEADLINE_GATHER_KEY: expiration, "outer_step": 3}),  # leaves in 0.1 s
+            "steps-on": gather_of({DEADLINE_GATHER_KEY: now + 5.0}),  # its request's own bound still holds
+            "stock": gather_of({"outer_step": 3}),  # states no deadline: hivemind's bound
+            "garbled": b"\x00not msgpack",
+        },
+    )
+    start = start_without_departing_followers(matchmaking)
+    group = asyncio.run(matchmaking.leader_assemble_group())
+    assert group == ["garbled", "leader", "steps-on", "stock"] and start.left_out == 1
+
+
+def test_a_stated_deadline_is_read_only_when_it_is_a_finite_number() -> None:
+    assert told_deadline(gather_of({DEADLINE_GATHER_KEY: 12.5})) == 12.5
+    assert told_deadline(gather_of({DEADLINE_GATHER_KEY: 12})) == 12.0
+    for lie in (float("nan"), float("inf"), True, "soon", None, [1.0]):
+        assert told_deadline(gather_of({DEADLINE_GATHER_KEY: lie})) is None, lie
+    assert told_deadline(gather_of([DEADLINE_GATHER_KEY])) is None and told_deadline(b"") is None

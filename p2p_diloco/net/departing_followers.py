@@ -8,18 +8,38 @@ left while its closed stream is still on the way, the leader starts with it, and
 round once it never comes. Measured in benchmarks/chaos.py, in a run without faults: four islands waited 6.1 s
 for a round that failed ("no lane ticket" from the fifth), and the fifth, which had given up at 2.0 s, found no
 group. Left out at assembly, such a follower alone loses its round, as it would anyway.
+
+A follower also leaves at its step's deadline (`look_for_group` waits for a group no longer), which hivemind does not
+send: once a first declaration expired unmatched, the next is declared up to that deadline, and the follower then
+leaves `request_timeout` before the bound the leader reads from its request. Islands send their deadline in the
+gathered metadata (DEADLINE_GATHER_KEY); a peer that lies about it can only get itself left out.
 """
 
 from __future__ import annotations
 
+from math import isfinite
 from typing import Any
 
-from hivemind.utils import get_dht_time, get_logger
+from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
 
 logger = get_logger(__name__)
 
 DEPARTURE_MARGIN_S = 0.25
 """A follower whose wait ends sooner than this after the group forms is left out: the go must still reach it."""
+DEADLINE_GATHER_KEY = "search_deadline"
+"""Gathered metadata: the DHT time at which this island's averaging step stops waiting for a group."""
+
+
+def told_deadline(gather: bytes) -> float | None:
+    """The step deadline a follower's join request states (DEADLINE_GATHER_KEY), or None if it states none."""
+    try:  # hivemind's envelope [bandwidth, mode, the island's own metadata], each level MessagePack
+        metadata = MSGPackSerializer.loads(MSGPackSerializer.loads(gather)[2])
+        deadline = metadata[DEADLINE_GATHER_KEY]
+    except Exception:  # a stock hivemind peer, or bytes of any shape: hivemind's own bound then
+        return None
+    if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not isfinite(deadline):
+        return None
+    return float(deadline)
 
 
 class StartWithoutDepartingFollowers:
@@ -35,8 +55,10 @@ class StartWithoutDepartingFollowers:
         matchmaking = self._matchmaking
         now = get_dht_time()
         for peer, request in list(matchmaking.current_followers.items()):
-            # The follower's own bound (_request_join_group): its declared expiration plus request_timeout.
-            ends_in = request.expiration + matchmaking.request_timeout - now
+            # The follower's own bounds: its declared expiration plus request_timeout (_request_join_group), and its
+            # step's deadline (look_for_group) where it told it.
+            ends = request.expiration + matchmaking.request_timeout
+            ends_in = min(ends, told_deadline(request.gather) or ends) - now
             if ends_in < DEPARTURE_MARGIN_S:
                 # Its rpc_join_group sees it missing from the group and tells it GROUP_DISBANDED, if it still listens.
                 del matchmaking.current_followers[peer]

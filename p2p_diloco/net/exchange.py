@@ -24,6 +24,7 @@ from p2p_diloco.diloco.staleness import StalenessRule
 from p2p_diloco.net.averager import PseudoGradientAverager, StateProvider
 from p2p_diloco.net.codecs import schema_hash_with_codec
 from p2p_diloco.net.declarations import DeclarationClock
+from p2p_diloco.net.departing_followers import DEADLINE_GATHER_KEY
 from p2p_diloco.net.gate import Gate
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
@@ -173,6 +174,7 @@ class GossipExchange:
             now = get_dht_time()
             scheduled = self._declarations.schedule(now, max(grace_s, self.min_matchmaking_time))
             timeout = max(timeout, scheduled - now + STEP_MARGIN_S)
+            metadata = {**metadata, DEADLINE_GATHER_KEY: now + timeout}  # a leader then knows when this island leaves
             step = dict(scheduled_time=scheduled, timeout=timeout, allow_retries=True, wait=False)
             control = self.averager.step(gather=metadata, weight=weight, **step)
             while not control.done() and control.stage != AveragingStage.RUNNING_ALLREDUCE:
