@@ -69,9 +69,16 @@ def test_a_follower_whose_step_ends_before_its_request_would_is_left_out() -> No
     now = get_dht_time()
     expiration = now + 0.1  # hivemind's bound: 0.9 s from now, the go would reach it
     matchmaking = LeaderMatchmaking(
-        {"steps-out": expiration, "steps-on": expiration, "stock": expiration, "garbled": expiration},
+        {
+            "steps-out": expiration,
+            "epoch": expiration,
+            "steps-on": expiration,
+            "stock": expiration,
+            "garbled": expiration,
+        },
         {
             "steps-out": gather_of({DEADLINE_GATHER_KEY: expiration, "outer_step": 3}),  # leaves in 0.1 s
+            "epoch": gather_of({DEADLINE_GATHER_KEY: 0.0}),  # a deadline long past, though it reads as false
             "steps-on": gather_of({DEADLINE_GATHER_KEY: now + 5.0}),  # its request's own bound still holds
             "stock": gather_of({"outer_step": 3}),  # states no deadline: hivemind's bound
             "garbled": b"\x00not msgpack",
@@ -79,7 +86,7 @@ def test_a_follower_whose_step_ends_before_its_request_would_is_left_out() -> No
     )
     start = start_without_departing_followers(matchmaking)
     group = asyncio.run(matchmaking.leader_assemble_group())
-    assert group == ["garbled", "leader", "steps-on", "stock"] and start.left_out == 1
+    assert group == ["garbled", "leader", "steps-on", "stock"] and start.left_out == 2
 
 
 def test_a_stated_deadline_is_read_only_when_it_is_a_finite_number() -> None:

@@ -58,7 +58,8 @@ class StartWithoutDepartingFollowers:
             # The follower's own bounds: its declared expiration plus request_timeout (_request_join_group), and its
             # step's deadline (look_for_group) where it told it.
             ends = request.expiration + matchmaking.request_timeout
-            ends_in = min(ends, told_deadline(request.gather) or ends) - now
+            told = told_deadline(request.gather)
+            ends_in = (ends if told is None else min(ends, told)) - now
             if ends_in < DEPARTURE_MARGIN_S:
                 # Its rpc_join_group sees it missing from the group and tells it GROUP_DISBANDED, if it still listens.
                 del matchmaking.current_followers[peer]
