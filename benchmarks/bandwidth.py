@@ -18,7 +18,7 @@ bytes over payload bytes (framing, encryption, DHT and matchmaking chatter on to
                                              # model (`tcp_over_payload_steady_wide`) (7 min); fp16, bf16 and
                                              # H = 50 carried over from the last --extended result, dated
     python benchmarks/bandwidth.py --extended  # and fp16, bf16, H = 50 x 3 (make bench-all; 10 min)
-    python benchmarks/bandwidth.py --quick   # H = 100 only, tiny model, 1 seed, fp32 int8 int4 topk
+    python benchmarks/bandwidth.py --quick   # H = 100 only, tiny model, 1 seed, fp32 int4 topk
     python benchmarks/bandwidth.py --smoke   # fp32, int8 and topk, 2 islands, tiny model (used by the tests)
 """
 
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run every (H, codec) and write bandwidth.json and bandwidth.png (bandwidth-smoke.* with --smoke)."""
     parser = benchmark_parser(
         __doc__,
-        quick="tiny model, H = 100 only, fp32 int8 int4 topk",
+        quick="tiny model, H = 100 only, fp32 int4 topk",
         smoke="fp32, int8 and topk, 2 islands, tiny model, H = 10",
         out="where the JSON and PNG go",
         extended="also fp16, bf16 and H = 50 (else carried over from the last result, dated)",
@@ -350,8 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     args.islands, args.tiny = 4, False
     grid = {50: 4, 100: 2}  # H -> outer steps: every H sees the same number of tokens
     codecs = CODECS
-    if args.quick:  # the codecs that span the range: full precision, the 8- and 4-bit ones, sparse
-        args.tiny, grid, codecs = True, {100: 2}, ["fp32", "int8", "int4", "topk"]
+    if args.quick:  # the codecs that span the range: full precision, the densest low-bit one, sparse
+        args.tiny, grid, codecs = True, {100: 2}, ["fp32", "int4", "topk"]
     if args.smoke:
         args.tiny, args.islands, grid, codecs = True, 2, {10: 2}, ["fp32", "int8", "topk"]
     codecs = args.codecs or codecs

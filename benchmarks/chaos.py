@@ -12,7 +12,7 @@ island's CPU sped the others up and a restarting island's imports slowed them do
     python benchmarks/chaos.py            # 5 islands, 90 s per run, 6 runs (about 11 minutes)
     python benchmarks/chaos.py --extended # and the standby mode's 2 runs (make bench-all; about 14 minutes)
     python benchmarks/chaos.py --modes standby  # one mode; the others carried over from the last result
-    python benchmarks/chaos.py --quick    # 3 islands, 22 s per run
+    python benchmarks/chaos.py --quick    # 3 islands, 22 s per run, the decoupled mode only
     python benchmarks/chaos.py --smoke    # 3 islands, tiny model, short runs (used by the tests)
 """
 
@@ -40,6 +40,9 @@ EXTENDED_MODES = {"standby"}
 """Run only with --extended (make bench-all) or --smoke; a plain run carries their figures over from the last
 result of the same schedule, dated: standby changes only with the takeover code, and its two runs are a quarter of
 the time."""
+QUICK_MODES = {"decoupled"}
+"""What --quick measures (a check that a fault schedule still runs, in about a minute and a half): the synchronous
+mode's figure moves only with the quorum code, and is carried over like the extended ones."""
 # standby: the decoupled mode with a standby per island (`--standby true`, under the island's CPU quota) that takes
 # over at a kill; the scheduled restart starts the next standby. The schedule and a window of `budget` seconds start
 # once every standby is warm; the harness stops every island at the window's end (SIGTERM), and only rounds recorded
@@ -543,11 +546,13 @@ def carry_over(result: dict, previous: Path, skipped: list[str]) -> dict:
     return {**result, "carried_over": carried} if carried else result
 
 
-def modes_to_run(only: list[str] | None, *, extended: bool) -> tuple[str, ...]:
-    """The modes a run measures, in MODES' order: `only` (--modes) if given, else all but the extended ones unless
-    `extended`."""
+def modes_to_run(only: list[str] | None, *, extended: bool, quick: bool = False) -> tuple[str, ...]:
+    """The modes a run measures, in MODES' order: `only` (--modes) if given, else QUICK_MODES with `quick`, else all
+    but the extended ones unless `extended`."""
     if only:
         return tuple(mode for mode in MODES if mode in only)
+    if quick:
+        return tuple(mode for mode in MODES if mode in QUICK_MODES)
     return tuple(mode for mode in MODES if extended or mode not in EXTENDED_MODES)
 
 
@@ -555,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the modes with and without the fault schedule; write chaos.json and chaos.png."""
     parser = benchmark_parser(
         __doc__,
-        quick="3 islands, 22 s per run",
+        quick="3 islands, 22 s per run, the decoupled mode only",
         smoke="3 islands, tiny model, short runs (used by the tests)",
         extended="also the standby mode (else its figures are carried over from the last result, dated)",
     )
@@ -584,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
     cpus = (os.cpu_count() or 1) / islands if args.island_cpus is None else args.island_cpus
     quotas = CpuQuotas("p2p-chaos", cpus)
     print(f"CPU per island: {cpus:.2f} cores, {quotas.mode}", flush=True)
-    modes = modes_to_run(args.modes, extended=args.extended or args.smoke)
+    modes = modes_to_run(args.modes, extended=args.extended or args.smoke, quick=args.quick)
     runs = run_all(schedule, islands, budget, smoke=args.smoke, out=args.out, quotas=quotas, pairs=pairs, modes=modes)
     result = {
         **provenance("chaos.py", argv),

@@ -10,7 +10,7 @@ The limit is what a bandwidth-optimal all-reduce must upload from every island, 
 link's rate; `ratio_to_limit` is seconds per round over that.
 
     python benchmarks/link.py            # 2 and 4 islands: 100 Mbit/s x fp32, int8, int4; 1 Gbit/s x fp32 (+ gloo)
-    python benchmarks/link.py --quick    # 2 islands, 100 Mbit/s, fp32 and int8
+    python benchmarks/link.py --quick    # 2 islands, 100 Mbit/s, fp32 and int8, 3 rounds
     python benchmarks/link.py --smoke    # 1M values, 2 islands, 100 Mbit/s, fp32, 1 round (used by the tests)
 
 Needs root, iproute2 and iptables (network namespaces); elsewhere it says so and exits 2.
@@ -37,13 +37,13 @@ BURST_TICKS = 2
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The benchmark's flags."""
-    quick, smoke = "2 islands, 100 Mbit/s, fp32 and int8", "1M values, 2 islands, fp32, one round"
+    quick, smoke = "2 islands, 100 Mbit/s, fp32 and int8, 3 rounds", "1M values, 2 islands, fp32, one round"
     parser = benchmark_parser(__doc__, quick=quick, smoke=smoke)
     parser.add_argument("--values", type=int, help="fp32 values in the pseudo-gradient (default 10M = 40 MB)")
     parser.add_argument("--islands", type=int, nargs="+", help="islands per round (default 2 4)")
     parser.add_argument("--rates", type=float, nargs="+", help="link rates in Mbit/s (default 100 1000)")
     parser.add_argument("--codecs", nargs="+", help="codecs (default fp32 int8 int4; fp32 above 100 Mbit/s)")
-    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 5)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 5; --quick 3)")
     parser.add_argument("--queue-ms", type=int, default=400, help="tbf's queue, in ms of traffic (default 400)")
     parser.add_argument("--no-gloo", action="store_true", help="skip gloo's reference rows")
     parser.add_argument("--logs", type=Path, help="keep the islands' logs in this folder")
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     args.islands = args.islands or ([2] if smoke or args.quick else [2, 4])
     args.rates = args.rates or ([100.0] if smoke or args.quick else [100.0, 1000.0])
     args.codecs = args.codecs or (["fp32"] if smoke else ["fp32", "int8"] if args.quick else None)
-    rounds = args.rounds or (1 if smoke else 5)  # the median of 5 stands two slow or failed rounds
+    rounds = args.rounds or (1 if smoke else 3 if args.quick else 5)  # a median of 5 stands two slow or failed rounds
     started, rows = time.monotonic(), []
     with tempfile.TemporaryDirectory(prefix="link-bench-") as tmp, tempfile.TemporaryDirectory(dir="/tmp") as sock:
         logs = args.logs or Path(tmp)

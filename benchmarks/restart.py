@@ -15,10 +15,10 @@ Each restart's first metrics record names its start-up phases (process_start_s: 
 data; join_s: DHT, reachability, announcement, averager; restore_s: checkpoint and the swarm's state, download
 included); first_round_s is the rest until its first merged round. The ratio the issue asks about is
 restart-to-first-merge over the state transfer (restore_s). A fresh interpreter's import of the island
-(`import p2p_diloco.island.island`) is timed both ways too, 5 times each (--quick: 2), alternating.
+(`import p2p_diloco.island.island`) is timed both ways too, 5 times each (--quick: 1), alternating.
 
     python benchmarks/restart.py            # default model, 3 restarts each way, 5 imports each way (~3 min)
-    python benchmarks/restart.py --quick    # default model, 1 restart each way, 2 imports each way
+    python benchmarks/restart.py --quick    # default model, 1 restart and 1 import each way
     python benchmarks/restart.py --smoke    # tiny model, 1 restart each way, 1 import each way (used by the tests)
 """
 
@@ -161,9 +161,9 @@ def plot(summary: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Time the imports and the restarts each way; write restart.json and restart.png."""
-    parser = benchmark_parser(__doc__, quick="1 restart and 2 imports each way", smoke="tiny model, 1 of each")
+    parser = benchmark_parser(__doc__, quick="1 restart and 1 import each way", smoke="tiny model, 1 of each")
     args = parser.parse_args(argv)
-    restarts, import_runs = (1, 1) if args.smoke else (1, 2) if args.quick else (3, 5)
+    restarts, import_runs = (1, 1) if args.smoke or args.quick else (3, 5)
     imports: dict[str, list[float]] = {way: [] for way in IMPORT_WAYS}
     for _ in range(import_runs):
         for way in IMPORT_WAYS:

@@ -148,6 +148,8 @@ def test_modes_picks_the_modes_a_run_measures_and_the_rest_are_carried_over(tmp_
 
     assert modes_to_run(None, extended=False) == ("decoupled", "synchronous")
     assert modes_to_run(None, extended=True) == tuple(MODES)
+    assert modes_to_run(None, extended=False, quick=True) == ("decoupled",)
+    assert modes_to_run(["synchronous"], extended=False, quick=True) == ("synchronous",)
     assert modes_to_run(["standby", "decoupled"], extended=False) == ("decoupled", "standby")
     schedule = {"seed": 0, "events": [[30.0, "kill", 3]]}
     figures = {key: {mode: f"{key} of {mode}" for mode in MODES} for key in CARRIED_KEYS}

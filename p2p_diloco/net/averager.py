@@ -37,6 +37,7 @@ from p2p_diloco.net.counters import ByteCounters
 from p2p_diloco.net.departing_followers import start_without_departing_followers
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.gate import Gate
+from p2p_diloco.net.gathered import island_metadata
 from p2p_diloco.net.join_races import join_responses
 from p2p_diloco.net.matchmaking_poll import DEFAULT_POLL_S, pace_lookups
 from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
@@ -189,14 +190,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
 
     def _gathered(self, group_info: GroupInfo) -> dict[PeerID, dict[str, Any]]:
         """Every member's gathered metadata (an empty dict for one that sent something else)."""
-        members = {}
-        for peer, gathered in zip(group_info.peer_ids, group_info.gathered):
-            try:
-                metadata = self.serializer.loads(self.serializer.loads(gathered)[2])
-            except Exception:  # a peer's bytes are its own problem: it gets weight 0 below
-                metadata = None
-            members[peer] = metadata if isinstance(metadata, dict) else {}
-        return members
+        return {peer: island_metadata(gathered) for peer, gathered in zip(group_info.peer_ids, group_info.gathered)}
 
     def _weight_caps(self, members: dict[PeerID, dict[str, Any]]) -> dict[PeerID | None, float] | None:
         """The most each sender may weigh (None: this island's own weight), or None without a staleness rule."""
@@ -236,10 +230,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """Refuse a follower that is banned or (in a private swarm) shows no valid token; else hivemind's."""
         peer = context.remote_id.to_base58()
-        try:
-            token = self.serializer.loads(self.serializer.loads(request.gather)[2]).get("membership")
-        except Exception:  # malformed gathered data: no token
-            token = None
+        token = island_metadata(request.gather).get("membership")
         if self.gate.banned(peer) or (self.gate.private and self.gate.admit(peer, token) is not None):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return

@@ -20,7 +20,9 @@ from __future__ import annotations
 from math import isfinite
 from typing import Any
 
-from hivemind.utils import MSGPackSerializer, get_dht_time, get_logger
+from hivemind.utils import get_dht_time, get_logger
+
+from p2p_diloco.net.gathered import island_metadata
 
 logger = get_logger(__name__)
 
@@ -32,11 +34,7 @@ DEADLINE_GATHER_KEY = "search_deadline"
 
 def told_deadline(gather: bytes) -> float | None:
     """The step deadline a follower's join request states (DEADLINE_GATHER_KEY), or None if it states none."""
-    try:  # hivemind's envelope [bandwidth, mode, the island's own metadata], each level MessagePack
-        metadata = MSGPackSerializer.loads(MSGPackSerializer.loads(gather)[2])
-        deadline = metadata[DEADLINE_GATHER_KEY]
-    except Exception:  # a stock hivemind peer, or bytes of any shape: hivemind's own bound then
-        return None
+    deadline = island_metadata(gather).get(DEADLINE_GATHER_KEY)  # none stated: hivemind's own bound then
     if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) or not isfinite(deadline):
         return None
     return float(deadline)
