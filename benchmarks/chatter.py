@@ -10,7 +10,7 @@ TCP figure of `bandwidth.py`); payload on direct lanes is not an RPC and is repo
 counters.
 
     python benchmarks/chatter.py            # 4 islands, H = 20, 16 rounds (about 1 minute)
-    python benchmarks/chatter.py --quick    # the same, 8 rounds
+    python benchmarks/chatter.py --quick    # the same, 6 rounds
     python benchmarks/chatter.py --smoke    # 2 islands, 6 rounds, announcing every 2 (used by the tests)
 """
 
@@ -25,7 +25,7 @@ from lib.common import BENCHMARKS, TINY, benchmark_parser, provenance, run_islan
 
 SHIM = BENCHMARKS / "lib" / "rpc_count"
 # mode: islands, inner steps, outer steps
-MODES = {"full": (4, 20, 16), "quick": (4, 20, 8), "smoke": (2, 10, 6)}
+MODES = {"full": (4, 20, 16), "quick": (4, 20, 6), "smoke": (2, 10, 6)}
 KINDS = [
     (re.compile(r"\.islands$"), "island records (announce)"),
     (re.compile(r"\.0b[01]*$"), "matchmaking (group keys)"),
@@ -161,7 +161,7 @@ def print_swarm(label: str, swarm: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the counted swarms, print the breakdown and write chatter.json and chatter.png."""
-    parser = benchmark_parser(__doc__, quick="8 rounds", smoke="2 islands, 6 rounds (used by the tests)")
+    parser = benchmark_parser(__doc__, quick="6 rounds", smoke="2 islands, 6 rounds (used by the tests)")
     args = parser.parse_args(argv)
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     islands, inner_steps, outer_steps = MODES[mode]

@@ -19,7 +19,7 @@ the other so that they do not compete for the CPU.
                                             # file it imported is unchanged, dated: lib/quality_carry.py;
                                             # 19 min when data-parallel runs)
     python benchmarks/quality.py --extended # everything rerun (make bench-all; up to 11 min more)
-    python benchmarks/quality.py --quick    # default model, T=12, H=5, 1 seed (about a minute)
+    python benchmarks/quality.py --quick    # default model, T=9, H=5, 1 seed (about a minute)
     python benchmarks/quality.py --smoke    # tiny model, T=3, H=5 (used by the tests)
 
 With several seeds (--seeds N: seeds --seed .. --seed+N-1, each changing the initial weights and the batch order)
@@ -50,7 +50,7 @@ from lib.quality_seeds import combine_seeds
 # for the same ratio: 1.0096 then, 1.0098 now).
 MODES = {
     "full": (288, 5, 8, False, 3, 8),
-    "quick": (12, 5, 8, False, 1, 3),
+    "quick": (9, 5, 8, False, 1, 3),
     "smoke": (3, 5, 2, True, 1, 2),
 }
 # At this budget (360 inner steps) outer Nesterov momentum hurts: a sweep with the single-process reference
