@@ -8,8 +8,8 @@ for data-parallel at 1.2M chips, one interruption per chip-year), with every inp
     python benchmarks/simulator.py            # 150k..2.4M chips, M = 1, 2, 4, 8, 16, 14 virtual days
     python benchmarks/simulator.py --quick    # 3 chip counts, M = 1, 4, 16, 1 virtual day (a few seconds)
 
-Writes benchmarks/results/simulator.json and simulator.png (simulator-quick.* with --quick): the rows, the
-paper's figures, the comparison at 1.2M chips, a one-input-at-a-time sensitivity table and notes.
+Writes benchmarks/results/simulator.json and simulator.png (runs/bench-quick/simulator-quick.* with --quick): the
+rows, the paper's figures, the comparison at 1.2M chips, a one-input-at-a-time sensitivity table and notes.
 
 Model (all assumptions; see also "notes" in the JSON):
 

@@ -167,3 +167,13 @@ def test_modes_picks_the_modes_a_run_measures_and_the_rest_are_carried_over(tmp_
         "synchronous": "goodput of synchronous",
     }
     assert merged["carried_over"] == {"decoupled": old["date"], "synchronous": old["date"]}
+
+
+def test_a_quick_run_writes_beside_the_committed_results_not_over_them() -> None:
+    from lib.common import QUICK_RESULTS, RESULTS, benchmark_parser
+
+    parser = benchmark_parser(None, quick="fewer steps")
+    assert parser.parse_args([]).out == RESULTS
+    assert parser.parse_args(["--quick"]).out == QUICK_RESULTS != RESULTS
+    assert parser.parse_args(["--quick", "--out", "elsewhere"]).out == Path("elsewhere")
+    assert parser.parse_args(["--smoke", "--out", "elsewhere"]).out == Path("elsewhere")

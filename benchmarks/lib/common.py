@@ -14,7 +14,19 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1]
 REPO = BENCHMARKS.parent
 RESULTS = BENCHMARKS / "results"
+QUICK_RESULTS = REPO / "runs" / "bench-quick"
+"""Where --quick writes unless --out says otherwise: a quick run's figures never replace the committed ones."""
 TINY = REPO / "peers" / "tiny.toml"
+
+
+class _BenchmarkParser(argparse.ArgumentParser):
+    """An ArgumentParser whose --out defaults to RESULTS, or to QUICK_RESULTS with --quick."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: ANN001, ANN201 - argparse's own signature
+        parsed = super().parse_args(args, namespace)
+        if parsed.out is None:
+            parsed.out = QUICK_RESULTS if parsed.quick else RESULTS
+        return parsed
 
 
 def benchmark_parser(
@@ -27,7 +39,7 @@ def benchmark_parser(
 ) -> argparse.ArgumentParser:
     """The parser every benchmark extends: --quick, --smoke (unless `smoke` is None), --out (a Path) and
     --extended (what `make bench-all` adds; accepted by every benchmark, a no-op where `extended` is None)."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _BenchmarkParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help=quick)
     parser.add_argument(
         "--extended",
@@ -36,7 +48,8 @@ def benchmark_parser(
     )
     if smoke is not None:
         parser.add_argument("--smoke", action="store_true", help=smoke)
-    parser.add_argument("--out", type=Path, default=RESULTS, help=out)
+    where = "default: benchmarks/results; with --quick runs/bench-quick, as make bench-quick"
+    parser.add_argument("--out", type=Path, default=None, help=f"{out} ({where})")
     return parser
 
 
