@@ -79,8 +79,13 @@ def _validate_codec(config: PeerConfig) -> None:
     network = config.network
     if (network.error_feedback or network.codec == "topk") and network.merge == "rda":
         raise ConfigError("network.error_feedback (and codec topk, which needs it) does not combine with merge 'rda'")
-    if not 0 < network.topk_density <= 1 or network.topk_bits not in (2, 4):
-        raise ConfigError("network.topk_density must be in (0, 1] and network.topk_bits 2 or 4")
+    if not 0 < network.topk_density <= 1:
+        raise ConfigError(
+            f"network.topk_density={network.topk_density} must be in (0, 1]: the share of values codec topk sends "
+            "(e.g. 0.02)"
+        )
+    if network.topk_bits not in (2, 4):
+        raise ConfigError(f"network.topk_bits={network.topk_bits} must be 2 or 4")
     if network.codec == "topk" and network.robust_merge in ("median", "trimmed"):
         raise ConfigError(
             f"network.robust_merge '{network.robust_merge}' treats the values few islands chose as outliers and drops "

@@ -488,6 +488,9 @@ def test_new_network_choices_are_checked():
         (["--dynamic-steps", "maybe"], "must be true or false"),
         (["--relay", "sometimes"], "network.relay must be one of"),
         (["--membership", "nowhere.token"], "--membership nowhere.token does not exist"),
+        (["--codec", "topk", "--topk-density", "1.5"], "network.topk_density=1.5 must be in (0, 1]"),
+        (["--codec", "topk", "--topk-density", "0"], "network.topk_density=0.0 must be in (0, 1]"),
+        (["--codec", "topk", "--topk-bits", "3"], "network.topk_bits=3 must be 2 or 4"),
     ],
 )
 def test_bad_values_are_one_line_errors(argv, expected, capsys):
