@@ -203,7 +203,10 @@ def test_a_group_mixes_lanes_and_libp2p_and_ends_with_identical_bits(members: Me
     for result in results:
         torch.testing.assert_close(torch.tensor(result["merged"]["first"]), mean[:4], atol=1e-6, rtol=0)
     assert len({json.dumps(result["merged"]) for result in results}) == 1, "members ended with different bits"
-    assert [result["lanes"] for result in results] == [1, 1, 0]
+    # One lane per attempt: hivemind retries a failed all-reduce with a new group (allow_retries), as on a busy CI
+    # host once ([2, 2, 0]); member 3 never opens one, the others do on every attempt that reaches the parts.
+    lanes = [result["lanes"] for result in results]
+    assert lanes[2] == 0 and min(lanes[:2]) >= 1, lanes
 
 
 def test_a_sender_that_takes_a_ticket_and_never_connects_is_banned_before_the_timeout(
