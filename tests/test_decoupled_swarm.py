@@ -131,7 +131,7 @@ def test_stalled_streaming_island_realigns_its_fragments(local_swarm: LocalSwarm
     # A merge (with its resync, if any) aligns its fragment on every member: after P = 2 consecutive rounds that all
     # three merged, every fragment's last exchange was such a round and the islands hold the same state. A failed
     # round in between leaves each island's own update on its fragment until that fragment's next merge realigns it
-    # (a CI run whose next-to-last round failed ended with three states).
+    # (a CI run ended with three states after an all-island last round: its next-to-last round, by elimination).
     # (From every record: a round that lands nothing after a resync keeps its outer step and its record that step's.)
     settled = [step for step in realigned if step - 1 in full]
     assert settled, f"never two all-island rounds in a row after the stall: {sorted(full)}"
