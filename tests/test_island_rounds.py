@@ -17,6 +17,7 @@ from conftest import TINY
 
 from p2p_diloco.config import load_config
 from p2p_diloco.diloco.outer import OuterOptimizer
+from p2p_diloco.island import outer_state
 from p2p_diloco.island.island import Island
 from p2p_diloco.island.link import SwarmLink
 from p2p_diloco.net.exchange import ExchangeResult
@@ -183,6 +184,33 @@ def test_a_non_finite_merge_is_never_applied(tmp_path: Path) -> None:
     assert not record["merged"] and "NaN or inf" in record["note"]
 
 
+def test_a_donor_postpones_its_solo_steps_while_a_peer_downloads_its_state(tmp_path: Path, monkeypatch) -> None:
+    # A newcomer's download of a large state spans several of the donor's rounds (benchmarks/restart_link.py): a step
+    # taken alone meanwhile leaves it stale on arrival, and it downloads the whole state again.
+    monkeypatch.setattr(outer_state, "SETTLE_MIN_BYTES", 0)  # the tiny model's state counts as large
+    rounds = [no_partner(), no_partner(), merged_with(lambda payload: payload * 0.5), no_partner(), no_partner()]
+    exchange = FakeExchange(rounds)
+    node = island(tmp_path, exchange, FakeRecords({"peer-b": {"outer_step": 0}}), **{"train.outer_steps": 3})
+    start_digest = node.state.digest()
+    node.state.for_peers()  # a newcomer asks for the state
+    records = run(node)
+    assert [r["outer_step"] for r in records] == [0, 0, 1, 2, 3]
+    assert all("postponed" in r["note"] and r["anchor_digest"] == start_digest for r in records[:2])
+    # The merged round carries the postponed rounds' work, and its weight; after the merge, steps alone go on.
+    sent = [metadata for _, metadata, _ in exchange.sent]
+    assert [metadata["steps"] for metadata in sent] == [3, 6, 9, 3, 3]
+    assert sent[2]["tokens"] == 3 * sent[3]["tokens"] and sent[2]["outer_step"] == 0
+    assert records[2]["merged"] and all(r["note"] == "no partner within the window" for r in records[3:])
+
+
+def test_the_last_outer_step_is_never_postponed(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(outer_state, "SETTLE_MIN_BYTES", 0)
+    node = island(tmp_path, FakeExchange([no_partner()]), FakeRecords())
+    node.state.for_peers()
+    (record,) = run(node)
+    assert record["outer_step"] == 1 and record["note"] == "no partner within the window"
+
+
 def donor_state(node: Island, step: int, shift: float = 1.0):
     metadata, tensors = node.state.for_peers()
     tensors = [tensor + shift for tensor in tensors]
@@ -225,6 +253,22 @@ def test_a_too_stale_island_with_no_newer_donor_applies_its_own_update(tmp_path:
     assert exchange.sent == [] and not record["resynced"] and node.outer_step == 1
     assert record["note"] == "9 steps stale and no newer donor answered"
     assert not torch.equal(node.state.anchor, start)
+
+
+def test_an_island_woken_after_the_swarm_left_trains_on_from_its_own_step(tmp_path: Path) -> None:
+    # The others finished at step 9 and announced they were leaving. One catch-up looks for a donor still lingering;
+    # with none, the departed islands' step no longer sets the clock: the island syncs its fragments in turn from
+    # its own step, instead of failing a catch-up every round and stepping the swarm clock's fragment forever.
+    exchange = FakeExchange([no_partner(), no_partner()])
+    view = {"peer-b": {"outer_step": 9, "leaving": True}, "peer-c": {"outer_step": 9, "leaving": True}}
+    overrides = {"train.outer_steps": 3, "train.inner_steps": 4, "train.fragments": 2}
+    node = island(tmp_path, exchange, FakeRecords(view), **overrides)
+    records = run(node)
+    assert len(exchange.downloads) == 2  # at join, and the one catch-up
+    assert records[0]["note"] == "9 steps stale and no newer donor answered" and records[0]["fragment"] == 1
+    assert [r["staleness"][0] for r in records[1:]] == [0, 0]
+    assert [metadata["fragment"] for _, metadata, _ in exchange.sent] == [1, 0]
+    assert node.outer_step == 3
 
 
 def test_the_group_rejects_a_stale_island_that_then_catches_up(tmp_path: Path) -> None:

@@ -67,3 +67,32 @@ def test_a_round_that_never_lands_holds_a_request_only_for_the_bound(monkeypatch
     thread.join(timeout=5)
     assert not thread.is_alive(), "a round stuck in flight held the state request past its bound"
     assert served[0][0]["outer_step"] == 0
+
+
+def test_serving_a_large_state_holds_solo_steps_until_a_merge_or_the_askers_deadline() -> None:
+    state = _state()
+    assert not state.holding(round_s=1.0)  # nobody asked
+    state.for_peers()
+    assert state.holding(round_s=1.0)
+    state.release()  # a merged round landed
+    assert not state.holding(round_s=1.0)
+    state.for_peers()
+    state.hold_s = 0.0
+    assert state.holding(round_s=30.0) and not state.holding(round_s=0.0)  # the deadline plus one round
+
+
+def test_serving_a_small_state_holds_nothing(monkeypatch) -> None:
+    monkeypatch.setattr(outer_state, "SETTLE_MIN_BYTES", 8 * 8 + 1)
+    state = _state()
+    state.for_peers()
+    assert not state.holding(round_s=1.0)
+
+
+def test_a_download_after_the_probe_is_served_at_once_during_the_hold() -> None:
+    state = _state()
+    state.for_peers()  # the newcomer's probe starts the hold: solo steps are postponed from here
+    state.round_in_flight()
+    thread, served = _serve_in_background(state)
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "the download waited for a round that can only be postponed or merge"
+    assert served[0][0]["outer_step"] == 0

@@ -11,9 +11,13 @@ import torch
 from conftest import LocalSwarm
 
 from p2p_diloco.diloco.error_feedback import ErrorFeedback
+from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.merge import sparse_mean
 from p2p_diloco.diloco.quantize import CodecMismatchError, quantizer
 from p2p_diloco.diloco.sparse import CHUNK, decode_sparse, encode_sparse, topk_sparsify
+from p2p_diloco.diloco.staleness import StalenessRule
+from p2p_diloco.island.contribution import Contribution
+from p2p_diloco.net.exchange import ExchangeResult
 
 
 def gaussian(size: int, seed: int = 0) -> torch.Tensor:
@@ -121,6 +125,24 @@ def test_a_faded_residual_keeps_that_share_of_what_was_left_out() -> None:
     torch.testing.assert_close(feedback.compensate(torch.tensor([1.0, 1.0])), torch.tensor([1.0, 1.5]))
     with pytest.raises(ValueError, match="decay"):
         ErrorFeedback(decay=1.5)
+
+
+def test_a_postponed_round_gives_the_residual_back_to_error_feedback() -> None:
+    # A donor that postpones a step alone keeps this round's progress in its weights; what top-k left out of earlier
+    # rounds (98% of each) lives only in the residual, which the own update's verdict had cleared.
+    feedback = ErrorFeedback()
+    feedback.residual = torch.tensor([0.5, -0.25, 0.0, 0.125])
+    left_out = feedback.residual
+    whole = Fragment(number=0, count=1, index=slice(None), tensor_sizes=(4,), size=4)
+    metadata = {"outer_step": 0, "swarm_step": 0, "base_weight": 1.0}
+    contribution = Contribution(
+        torch.ones(4), whole, metadata, peer_id="me", merge_rule="tokens", codec="topk",
+        staleness_rule=StalenessRule(), feedback=feedback, topk_density=0.25,
+    )  # fmt: skip
+    verdict = contribution.judge(ExchangeResult(merged=None, error="no partner within the window"))
+    assert not verdict.merged and feedback.residual is None  # applied alone, nothing would be left out
+    contribution.postpone()
+    assert torch.equal(feedback.residual, left_out)
 
 
 def test_error_feedback_sends_everything_eventually() -> None:

@@ -53,6 +53,7 @@ class Contribution:
         self.delta, self.fragment, self.metadata = delta, fragment, metadata
         self.peer_id, self.merge_rule, self.codec = peer_id, merge_rule, codec
         self.staleness_rule, self.feedback = staleness_rule, feedback
+        self._residual = None if feedback is None else feedback.residual  # for `postpone`: judge may clear it
         self.compensated = delta if feedback is None else feedback.compensate(delta)
         """The pseudo-gradient plus the residual the codec dropped last round."""
         self.sent = topk_sparsify(self.compensated, topk_density) if codec == "topk" else self.compensated
@@ -85,6 +86,12 @@ class Contribution:
         if self.feedback is not None:
             self.feedback.clear()
         return Verdict(result, self.compensated, merged=False, note=note, weights={self.peer_id: self.offered_weight})
+
+    def postpone(self) -> None:
+        """The island keeps this round's progress in its weights instead of applying it: the residual the codec
+        dropped in earlier rounds goes back to error feedback (an own update's verdict cleared it)."""
+        if self.feedback is not None:
+            self.feedback.residual = self._residual
 
     def judge(self, result: ExchangeResult) -> Verdict:
         """What the island applies after `result`: the group's merge, its own update, or nothing when stale."""

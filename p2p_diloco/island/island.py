@@ -23,13 +23,14 @@ from p2p_diloco.diloco.merge import is_finite
 from p2p_diloco.diloco.outer import pseudo_gradient
 from p2p_diloco.diloco.staleness import StalenessRule, SwarmClock
 from p2p_diloco.island.announce import AnnounceSchedule, SwarmViewMixin, fold_partner_steps
-from p2p_diloco.island.checkpoints import donor_step_limit, restore, save, wait_for_islands
+from p2p_diloco.island.catch_up import CatchUpMixin
+from p2p_diloco.island.checkpoints import restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
 from p2p_diloco.island.link import Joining, SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.progress import Progress, history_rounds, startup_times
 from p2p_diloco.island.records import progress_line, round_record
-from p2p_diloco.island.resync import CatchUpStatus, Resync
+from p2p_diloco.island.resync import Resync
 from p2p_diloco.island.rounds import Landed, PendingMerge, RoundOutcome, Verdict, done, in_background, nothing_landed
 from p2p_diloco.island.trainer import LocalTrainer, run_fingerprint
 from p2p_diloco.net.exchange import ExchangeResult
@@ -45,7 +46,7 @@ Connector = Callable[..., SwarmLink]
 """Makes the island's SwarmLink (`p2p_diloco.island.link.connect`, or a fake one in tests)."""
 
 
-class Island(SwarmViewMixin):
+class Island(SwarmViewMixin, CatchUpMixin):
     """A peer that trains with DiLoCo and merges pseudo-gradients with the swarm."""
 
     def __init__(
@@ -83,6 +84,10 @@ class Island(SwarmViewMixin):
         """Recent rounds, announced with the island for `p2p-diloco status` and the dashboard."""
         self.clock = SwarmClock()
         self.startup: dict[str, float | None] = {"join_s": None}
+        self.departed: set[str] = set()
+        """Islands that announced they were leaving and had no state to give when this island tried to catch up."""
+        self.carried = (0, 0)
+        """Tokens and inner steps of a round whose outer step was postponed (`OuterState.holding`)."""
 
     @property
     def outer_step(self) -> int:
@@ -148,7 +153,12 @@ class Island(SwarmViewMixin):
         fragment = self.fragments[fragment_for_step(swarm_step, train.fragments)]
 
         # This island's contribution; too stale to merge, it catches up instead.
-        contribution = self._contribution(fragment, tokens, steps, staleness, ready, self.clock.pace_s or compute_s)
+        carried_tokens, carried_steps = self.carried  # the progress of a postponed round rides along
+        self.carried = (0, 0)
+        pace = self.clock.pace_s or compute_s
+        contribution = self._contribution(
+            fragment, tokens + carried_tokens, steps + carried_steps, staleness, ready, pace
+        )
         if self.link.online and self.staleness_rule.factor(staleness) is None:
             landed = self._catch_up(staleness, swarm_step, contribution)
         elif train.overlap_steps == 0:  # blocking: exchange in this thread and land at once
@@ -231,6 +241,10 @@ class Island(SwarmViewMixin):
             verdict = Verdict(**{**verdict.__dict__, "transport": self.link.transport.read()})
         return verdict
 
+    def _postponing(self) -> bool:
+        """Whether to postpone an outer step taken alone (a peer is downloading our state); never the run's last."""
+        return self.outer_step + 1 < self.config.train.outer_steps and self.state.holding(self.clock.pace_s or 0.0)
+
     def _land(self) -> Landed:
         """Wait for the exchange in flight (timed as overlap wait), then apply its outer update."""
         pending, self.pending = self.pending, None
@@ -247,11 +261,18 @@ class Island(SwarmViewMixin):
             outcome = self._reject_stale(staleness, contribution)
             exchange_s += time.monotonic() - resync_start
             verdict = Verdict(verdict.result, None, merged=False, weights=verdict.weights)
+        elif not verdict.merged and self._postponing():
+            contribution.postpone()  # a newcomer is downloading our state: a step alone would leave it stale
+            self.carried = (int(contribution.metadata["tokens"]), int(contribution.metadata["steps"]))
+            note = f"outer step postponed: a peer is downloading this island's state ({verdict.note or 'alone'})"
+            outcome = RoundOutcome(0, False, False, note)
+            staleness, swarm_step = pending.staleness, pending.swarm_step
         else:
             self.state.step(verdict.update, fragment)
             self.trainer.load(self.state.anchor, fragment, mix)
             resynced = False
             if verdict.merged:
+                self.state.release()
                 resync_start = time.monotonic()
                 resynced = self.resync.realign(verdict.partners, contribution.pre_digest, verdict.update, fragment)
                 if resynced:
@@ -265,34 +286,6 @@ class Island(SwarmViewMixin):
             self.link.exchange.set_state_priority(float(self.outer_step))
         blocked_s = blocked_s if mix is not None else exchange_s
         return Landed(verdict, outcome, fragment.label, blocked_s, exchange_s, staleness, swarm_step)
-
-    def _catch_up(self, staleness: int, swarm_step: int, contribution: Contribution) -> Landed:
-        """A contribution too stale to send: catch up instead of exchanging."""
-        start = time.monotonic()
-        outcome = self._reject_stale(staleness, contribution)
-        waited = time.monotonic() - start
-        verdict = Verdict(ExchangeResult(merged=None, wait_s=waited), None, merged=False)
-        return Landed(verdict, outcome, contribution.fragment.label, waited, waited, staleness, swarm_step)
-
-    def _reject_stale(self, staleness: int, contribution: Contribution) -> RoundOutcome:
-        """Drop a too-stale contribution and download the swarm's state; with no newer donor, apply it alone."""
-        if self.error_feedback is not None:
-            for feedback in self.error_feedback.values():
-                feedback.clear()
-        if self.link.online and not self.announces.fresh:  # where the swarm is now: the donors are there
-            self._announce()
-            self._update_clock(float(contribution.metadata.get("round_s") or 1.0))
-        # Records lag their islands by up to announce_every rounds: a bound at the clock itself turned every honest
-        # donor away from an island woken after a freeze while the swarm ran ahead (test_decoupled_swarm).
-        clock = [] if self.clock.value is None else [self.clock.value]
-        caught = self.resync.catch_up(max_step=donor_step_limit(clock, self.config.network.announce_every))
-        if caught.status is CatchUpStatus.ADOPTED:
-            self.trainer.load_all(self.state.anchor)
-            note = f"{staleness} steps stale: contribution rejected, resynced to outer step {caught.outer_step}"
-            return RoundOutcome(0, False, True, note)
-        self.state.step(contribution.delta, contribution.fragment)
-        self.trainer.load(self.state.anchor, contribution.fragment, mix_alpha=None)
-        return RoundOutcome(0, False, False, f"{staleness} steps stale and no newer donor answered")
 
     def _record(
         self, landed: Landed | None, losses: list[float], steps: int, compute_s: float, round_start: float

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import torch
@@ -18,6 +19,9 @@ SETTLE_MIN_BYTES = 16 << 20
 """States smaller than this are served at once: at 100 Mbit/s they cross in under 1.4 s, a round rarely lands
 meanwhile, and the wait would cost more than it saves (a restart in benchmarks/chaos.py: a 0.3 MB state, probed on
 four donors that are mostly in a round)."""
+HOLD_AFTER_SERVE_S = 60.0
+"""How long after serving a large state a donor postpones the outer steps it would take alone (`OuterState.holding`):
+the asker's download deadline, `network.state_timeout` (an island's own value replaces this default)."""
 
 
 class OuterState:
@@ -28,7 +32,15 @@ class OuterState:
     """
 
     def __init__(
-        self, anchor: torch.Tensor, *, lr: float, momentum: float, momentum_every: int, fingerprint: str, run_id: str
+        self,
+        anchor: torch.Tensor,
+        *,
+        lr: float,
+        momentum: float,
+        momentum_every: int,
+        fingerprint: str,
+        run_id: str,
+        hold_s: float = HOLD_AFTER_SERVE_S,
     ):
         self.lock = threading.RLock()
         self.optimizer = OuterOptimizer(anchor, lr=lr, momentum=momentum, momentum_every=momentum_every)
@@ -36,6 +48,8 @@ class OuterState:
         self.outer_step = 0
         self._settled = threading.Event()
         self._settled.set()
+        self.hold_s = hold_s
+        self._served_at: float | None = None
 
     @classmethod
     def for_run(cls, anchor: torch.Tensor, config: PeerConfig, fingerprint: str) -> OuterState:
@@ -48,6 +62,7 @@ class OuterState:
             momentum_every=train.momentum_every,
             fingerprint=fingerprint,
             run_id=config.network.run_id,
+            hold_s=config.network.state_timeout,
         )
 
     @property
@@ -88,7 +103,11 @@ class OuterState:
         state again to realign (benchmarks/restart_link.py). A few seconds' wait costs less than that download.
         """
         if 8 * self.optimizer.anchor.numel() >= SETTLE_MIN_BYTES:  # anchor and momentum, fp32
-            self._settled.wait(SETTLE_WAIT_S)
+            # Within a hold, a round in flight steps only by a merge, which makes the state a step old whether the
+            # request waits for it or not: only a request that starts a hold (a newcomer's probe) waits.
+            if not self.holding(0.0):
+                self._settled.wait(SETTLE_WAIT_S)
+            self._served_at = time.monotonic()
         with self.lock:
             tensors = [tensor.to("cpu", copy=True) for tensor in self.tensors()]
             step = self.outer_step
@@ -99,6 +118,21 @@ class OuterState:
             "run_id": self.run_id,
         }
         return metadata, tensors
+
+    def holding(self, round_s: float) -> bool:
+        """True while a peer may still be downloading this (large) state to merge from it: served within the asker's
+        download deadline and one round of `round_s`.
+
+        An outer step taken alone meanwhile leaves the newcomer a step behind on arrival, and at a few steps (a
+        305 MB state crosses 100 Mbit/s in 25 s, while the donor rounds every 2 s) it is too stale to merge and
+        downloads the whole state again, over and over (benchmarks/restart_link.py: 3 second downloads). So the
+        island postpones those steps and trains on: its next contribution carries the postponed progress.
+        """
+        return self._served_at is not None and time.monotonic() - self._served_at < self.hold_s + round_s
+
+    def release(self) -> None:
+        """A merged round landed: whoever downloaded the state merged with the swarm, or no longer needs it."""
+        self._served_at = None
 
     def load(self, tensors: list[torch.Tensor], outer_step: int) -> None:
         """Replace the whole state (from a checkpoint or a donor) and take its outer step."""
