@@ -96,3 +96,17 @@ def test_a_download_after_the_probe_is_served_at_once_during_the_hold() -> None:
     thread.join(timeout=5)
     assert not thread.is_alive(), "the download waited for a round that can only be postponed or merge"
     assert served[0][0]["outer_step"] == 0
+
+
+def test_requests_renew_a_hold_but_never_past_two_deadlines(monkeypatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(outer_state.time, "monotonic", lambda: clock[0])
+    state = _state()
+    state.hold_s = 10.0
+    state.for_peers()
+    for _ in range(3):  # a peer asks again every 6 s
+        clock[0] += 6.0
+        assert state.holding(round_s=1.0)
+        state.for_peers()
+    clock[0] += 6.0  # 24 s since the hold began: past 2 x 10 s and a round, though the last request was 6 s ago
+    assert not state.holding(round_s=1.0)

@@ -50,6 +50,7 @@ class OuterState:
         self._settled.set()
         self.hold_s = hold_s
         self._served_at: float | None = None
+        self._hold_since = 0.0
 
     @classmethod
     def for_run(cls, anchor: torch.Tensor, config: PeerConfig, fingerprint: str) -> OuterState:
@@ -107,6 +108,7 @@ class OuterState:
             # request waits for it or not: only a request that starts a hold (a newcomer's probe) waits.
             if not self.holding(0.0):
                 self._settled.wait(SETTLE_WAIT_S)
+                self._hold_since = time.monotonic()
             self._served_at = time.monotonic()
         with self.lock:
             tensors = [tensor.to("cpu", copy=True) for tensor in self.tensors()]
@@ -128,7 +130,11 @@ class OuterState:
         downloads the whole state again, over and over (benchmarks/restart_link.py: 3 second downloads). So the
         island postpones those steps and trains on: its next contribution carries the postponed progress.
         """
-        return self._served_at is not None and time.monotonic() - self._served_at < self.hold_s + round_s
+        if self._served_at is None:
+            return False
+        now = time.monotonic()
+        # Requests renew a hold, but never past two deadlines: a peer that kept asking cannot stop our outer steps.
+        return now - self._served_at < self.hold_s + round_s and now - self._hold_since < 2 * self.hold_s + round_s
 
     def release(self) -> None:
         """A merged round landed: whoever downloaded the state merged with the swarm, or no longer needs it."""
