@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("--initial-peers", nargs="*", default=[])
     args = parser.parse_args()
 
-    for spec in args.rounds:  # load every codec (int8 imports bitsandbytes) before any process forks
+    for spec in args.rounds:  # load every codec (the blockwise ones compile their kernels) before any process forks
         get_compression(spec.split(":")[1])
     dht = start_dht(
         initial_peers=args.initial_peers,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from bnb_reference import bitsandbytes_functional
 
 from p2p_diloco.diloco import kernels
 from p2p_diloco.diloco.quantize import CodecMismatchError, quantizer
@@ -42,9 +43,13 @@ def test_the_lookup_refuses_levels_too_close_for_a_16_bit_key() -> None:
         kernels.level_lookup(np.array([1.0, 0.0], dtype=np.float32))
 
 
-def test_int8_keeps_bitsandbytes_scales_and_decoder_and_rounds_at_least_as_close() -> None:
-    import bitsandbytes.functional as bnb
+def test_the_int8_code_table_is_bitsandbytes_dynamic_map_bit_for_bit() -> None:
+    reference = bitsandbytes_functional().create_dynamic_map(signed=True).to(torch.float32)
+    assert torch.equal(quantizer("int8").code_table().view(torch.int32), reference.view(torch.int32))
 
+
+def test_int8_keeps_bitsandbytes_scales_and_decoder_and_rounds_at_least_as_close() -> None:
+    bnb = bitsandbytes_functional()
     codec = quantizer("int8")
     table = codec.code_table()
     values = torch.randn(100_003, generator=torch.Generator().manual_seed(1)) * torch.logspace(-6, 2, 100_003)

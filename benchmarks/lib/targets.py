@@ -308,7 +308,6 @@ def _restart_link(data: dict, results: dict) -> list[Row]:
         why = (
             f"of {phases['total_s']:.1f} s, starting the process takes {phases['process_start_s']:.1f} s and joining "
             f"{phases['join_s']:.1f} s"
-            + (" (int8's code table imports bitsandbytes)" if phases["codec"] == "int8" else "")
             + f", the state {phases['restore_s']:.1f} s ({phases['restore_over_transfer_limit']:.2f}x "
             f"bytes/bandwidth: asking donors, waiting for a donor's round in flight, libp2p's framing) and the first "
             f"round {phases['first_round_s']:.1f} s (inner steps and one exchange over the link, whose "

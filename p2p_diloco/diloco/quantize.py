@@ -20,13 +20,8 @@ million values. How these bytes travel inside hivemind's all-reduce is
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import logging
-import sys
-import threading
 import zlib
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -187,42 +182,24 @@ class BFloat16(Quantizer):
         return raw.view(torch.bfloat16).to(torch.float32)
 
 
-_BNB_LOCK = threading.Lock()
-_BNB_FUNCTIONAL = None
+def dynamic_map() -> torch.Tensor:
+    """bitsandbytes' signed 8-bit dynamic code table (`create_dynamic_map(signed=True)`), computed as it computes it.
 
-
-def _bitsandbytes():
-    """bitsandbytes.functional, imported on first use (the import takes seconds: it pulls in torch._dynamo)."""
-    global _BNB_FUNCTIONAL
-    with _BNB_LOCK:
-        if _BNB_FUNCTIONAL is None:
-            with _without_hub_kernels():
-                import bitsandbytes.functional as functional
-
-            _BNB_FUNCTIONAL = functional
-    return _BNB_FUNCTIONAL
-
-
-@contextlib.contextmanager
-def _without_hub_kernels() -> Iterator[None]:
-    """Hide the `kernels` package while bitsandbytes imports, and its warning that the kernel is missing.
-
-    Its CPU backend asks the Hugging Face Hub for an optional 4-bit matmul kernel at import (`kernels.get_kernel`):
-    a network request that a peer must never make at run time, and about 0.4 s of every island's start, for a kernel
-    these codecs never call. With the package hidden, bitsandbytes takes its own fallback.
+    Importing bitsandbytes for these 256 numbers cost every int8 island 1.6 s of its start (it pulls in torch._dynamo,
+    and asks the Hugging Face Hub for a kernel unless hidden); the codec's kernels are our own already.
+    tests/test_kernels.py checks this table against bitsandbytes' bit for bit, and the table's checksum travels in
+    every frame, so an island with another table is told apart.
     """
-    hidden = "kernels" not in sys.modules
-    if hidden:
-        sys.modules["kernels"] = None  # type: ignore[assignment]  # `from kernels import ...` raises ImportError
-    cpu_ops_log = logging.getLogger("bitsandbytes.backends.cpu.ops")
-    level = cpu_ops_log.level
-    cpu_ops_log.setLevel(logging.ERROR)
-    try:
-        yield
-    finally:
-        cpu_ops_log.setLevel(level)
-        if hidden:
-            sys.modules.pop("kernels", None)
+    data: list[float] = []
+    non_sign_bits, max_exponent_bits = 7, 7  # 8 bits, signed
+    for i in range(max_exponent_bits):
+        boundaries = torch.linspace(0.1, 1, 2 ** (i + non_sign_bits - max_exponent_bits) + 1, dtype=torch.float32)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+        data += (-(10 ** (-(max_exponent_bits - 1) + i)) * means).tolist()
+    data += [0.0, 1.0]
+    data += [0.0] * (256 - len(data))
+    return torch.tensor(sorted(data), dtype=torch.float32)
 
 
 class Blockwise(Quantizer):
@@ -243,9 +220,10 @@ class Blockwise(Quantizer):
 class Int8Blockwise(Blockwise):
     """bitsandbytes' blockwise 8-bit dynamic code: one fp32 absmax per block of 256, 8-bit codes.
 
-    The code table is bitsandbytes' (`create_dynamic_map`); encoding rounds to the truly nearest level and decoding
-    is bit for bit bitsandbytes' `dequantize_blockwise`, both in `p2p_diloco.diloco.kernels` (6x and 4x faster on
-    CPU than bitsandbytes, whose encoder's binary search misses the nearest level for 0.15% of values).
+    The code table is bitsandbytes' (`create_dynamic_map`, computed by `dynamic_map`); encoding rounds to the truly
+    nearest level and decoding is bit for bit bitsandbytes' `dequantize_blockwise`, both in
+    `p2p_diloco.diloco.kernels` (6x and 4x faster on CPU than bitsandbytes, whose encoder's binary search misses the
+    nearest level for 0.15% of values).
     Payload: absmax fp32[blocks] + codes uint8[n].
     """
 
@@ -256,7 +234,7 @@ class Int8Blockwise(Blockwise):
 
     def code_table(self) -> torch.Tensor:
         if self._code is None:
-            self._code = _bitsandbytes().create_dynamic_map(signed=True).to(torch.float32)
+            self._code = dynamic_map()
         return self._code
 
 
