@@ -295,8 +295,9 @@ def _chaos(data: dict, results: dict) -> list[Row]:
 
 def _pseudo_gradient_mb(phases: dict) -> float:
     """Megabytes of one exchange's pseudo-gradient on the wire: the anchor half of the state, in the codec's width."""
-    bits = {"fp32": 32, "fp16": 16, "int8": 8, "int4": 4}.get(phases.get("codec"), 32)
-    return phases["state_bytes"] / 2 * bits / 32 / 1e6
+    from p2p_diloco.diloco.quantize import quantizer  # block scales included
+
+    return phases["state_bytes"] / 2 * quantizer(phases.get("codec", "fp32")).bits_per_value / 32 / 1e6
 
 
 def _restart_link(data: dict, results: dict) -> list[Row]:

@@ -87,15 +87,12 @@ class SwarmViewMixin:
             logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
         return self.swarm_view
 
-    def _departed(self, peer: str, info: dict[str, Any]) -> bool:
-        """An island whose record says it left and that no catch-up since could download from: it no longer sets the
-        clock (an island woken after the swarm finished would otherwise stay too stale for good, alone)."""
-        return bool(info.get("leaving")) and peer in self.departed
-
     def _update_clock(self, round_s: float) -> int:
         """Fold this island's step and the swarm view's into the swarm clock, naming impossible claims; the clock."""
+        # An island that left and had no state to give at our last catch-up (`departed`) no longer sets the clock:
+        # one woken after the swarm finished would otherwise stay too stale for good, alone.
         view = self.swarm_view.items()
-        others = {peer: int(info["outer_step"]) for peer, info in view if not self._departed(peer, info)}
+        others = {p: int(info["outer_step"]) for p, info in view if not (info.get("leaving") and p in self.departed)}
         swarm_step = self.clock.update(self.outer_step, others, get_dht_time(), round_s)
         for peer, claim in self.clock.implausible.items():
             self.progress.warn_once(peer, f"claims outer step {claim}, which the swarm cannot have reached: ignored")

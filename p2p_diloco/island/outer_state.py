@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.config import PeerConfig
+from p2p_diloco.config import NetworkConfig, PeerConfig
 from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.outer import OuterOptimizer, state_digest
 from p2p_diloco.net.records import ModelMismatchError
@@ -19,9 +19,6 @@ SETTLE_MIN_BYTES = 16 << 20
 """States smaller than this are served at once: at 100 Mbit/s they cross in under 1.4 s, a round rarely lands
 meanwhile, and the wait would cost more than it saves (a restart in benchmarks/chaos.py: a 0.3 MB state, probed on
 four donors that are mostly in a round)."""
-HOLD_AFTER_SERVE_S = 60.0
-"""How long after serving a large state a donor postpones the outer steps it would take alone (`OuterState.holding`):
-the asker's download deadline, `network.state_timeout` (an island's own value replaces this default)."""
 
 
 class OuterState:
@@ -40,7 +37,7 @@ class OuterState:
         momentum_every: int,
         fingerprint: str,
         run_id: str,
-        hold_s: float = HOLD_AFTER_SERVE_S,
+        hold_s: float = NetworkConfig.state_timeout,  # the asker's download deadline (`holding`)
     ):
         self.lock = threading.RLock()
         self.optimizer = OuterOptimizer(anchor, lr=lr, momentum=momentum, momentum_every=momentum_every)
