@@ -110,3 +110,13 @@ def test_requests_renew_a_hold_but_never_past_two_deadlines(monkeypatch) -> None
         state.for_peers()
     clock[0] += 6.0  # 24 s since the hold began: past 2 x 10 s and a round, though the last request was 6 s ago
     assert not state.holding(round_s=1.0)
+
+
+def test_a_round_expected_alone_is_not_waited_for_and_starts_the_hold() -> None:
+    state = _state()
+    state.round_in_flight(may_merge=False)  # nobody else is expected: its step is postponed once the state is served
+    thread, served = _serve_in_background(state)
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "the probe waited for a round expected to land alone"
+    assert served[0][0]["outer_step"] == 0
+    assert state.holding(round_s=1.0), "the round's solo step would leave the newcomer's state stale"

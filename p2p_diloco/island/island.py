@@ -207,13 +207,15 @@ class Island(SwarmViewMixin, CatchUpMixin):
     def _exchange(self, contribution: Contribution, compute_s: float, ready: float) -> Verdict:
         """Average with ready partners (in this thread, or the exchange thread with overlap) and judge the result."""
         network, overlapped = self.config.network, self.config.train.overlap_steps > 0
-        self.state.round_in_flight()
+        expected = (
+            self.expected.expected(self.swarm_view, self.peer_id, self.link.connected()) if self.link.online else 1
+        )
+        self.state.round_in_flight(may_merge=expected != 1)
         if overlapped and self.link.online:
             self._announce(scheduled=True)
         if not self.link.online:
             return Verdict(ExchangeResult(merged=None), contribution.compensated, merged=False, note="solo")
         grace = self.grace.current()
-        expected = self.expected.expected(self.swarm_view, self.peer_id, self.link.connected())
         timeout = network.averaging_timeout if network.quorum > 1 else grace + SEARCH_MARGIN_S
         if self.deadline is not None:  # never wait for a quorum past the time budget
             timeout = max(grace + SEARCH_MARGIN_S, min(timeout, self.deadline - time.monotonic()))
