@@ -24,6 +24,7 @@ restart-to-first-merge over the state transfer (restore_s). A fresh interpreter'
 
 from __future__ import annotations
 
+import shutil
 import signal
 import statistics
 import subprocess
@@ -103,6 +104,7 @@ def restart_once(swarm: LocalSwarm, way: str, *, same_host: bool = False) -> dic
 def run_restarts(restarts: int, tiny: bool, folder: Path) -> list[dict]:
     """Two islands; island 1 restarted `restarts` times each way, alternating, after a merged round each time."""
     rows = []
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's checkpoints would be resumed from
     with LocalSwarm(folder, run_id="restart-bench") as swarm:
         swarm.bootstrap()
         config = TINY if tiny else None

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -58,6 +59,7 @@ def run_restarts(restarts: int, rate_mbit: float, config: Path, flags: list[str]
     """Two islands on shaped hosts, a bootstrap on an unshaped one; island 1 restarted `restarts` times."""
     rows = []
     burst_kb = max(64, math.ceil(rate_mbit * 1e6 / 8 / 250 * BURST_TICKS / 1024))
+    shutil.rmtree(folder, ignore_errors=True)  # an earlier run's checkpoints would be resumed from
     with netns.Internet() as internet, LocalSwarm(folder, run_id="restart-link") as swarm:
         boot = internet.public_host("boot")
         swarm.bootstrap(host=boot.address, command_prefix=boot.prefix)

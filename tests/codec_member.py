@@ -54,7 +54,7 @@ def main() -> None:
                 dht,
                 run_id=f"codec-test-{label}",
                 size=int(size),
-                state_provider=lambda: ({}, []),
+                state_provider=lambda **_: ({}, []),
                 target_group_size=args.group_size,
                 quorum=args.group_size,
                 min_matchmaking_time=2.0,

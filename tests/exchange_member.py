@@ -139,7 +139,7 @@ def main() -> None:
         dht,
         run_id="exchange-test",
         size=args.size,
-        state_provider=lambda: ({}, []),
+        state_provider=lambda **_: ({}, []),
         target_group_size=args.group_size,
         quorum=args.group_size,
         min_matchmaking_time=2.0,

@@ -23,7 +23,7 @@ def exchange() -> Iterator[GossipExchange]:
             dht,
             run_id="out-test",
             size=SIZE,
-            state_provider=lambda: ({}, []),
+            state_provider=lambda **_: ({}, []),
             target_group_size=2,
             quorum=1,
             min_matchmaking_time=0.2,

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from p2p_diloco.diloco.fragments import Fragment
+from p2p_diloco.diloco.outer import state_digest
 from p2p_diloco.island import outer_state
 from p2p_diloco.island.outer_state import OuterState
 
@@ -120,3 +121,20 @@ def test_a_round_expected_alone_is_not_waited_for_and_starts_the_hold() -> None:
     assert not thread.is_alive(), "the probe waited for a round expected to land alone"
     assert served[0][0]["outer_step"] == 0
     assert state.holding(round_s=1.0), "the round's solo step would leave the newcomer's state stale"
+
+
+def test_a_probe_gets_the_digest_without_the_tensors_and_the_digest_follows_every_change() -> None:
+    state = _state()
+    metadata, tensors = state.for_peers(with_tensors=False)
+    full, copies = state.for_peers()
+    assert tensors == [] and metadata == full and len(copies) == 2
+    assert metadata["digest"] == state_digest(*copies)
+    state.step(torch.ones(8), WHOLE)
+    stepped, copies = state.for_peers()
+    assert stepped["digest"] != metadata["digest"] and stepped["digest"] == state_digest(*copies)
+    state.load([torch.full((8,), 3.0), torch.zeros(8)], outer_step=5)
+    loaded, copies = state.for_peers(with_tensors=False)
+    assert loaded["outer_step"] == 5 and loaded["digest"] == state_digest(torch.full((8,), 3.0), torch.zeros(8))
+    half = Fragment(number=0, count=2, index=slice(0, 4), tensor_sizes=(8,), size=4)
+    state.load_fragment(half, [torch.ones(8), torch.ones(8)])
+    assert state.digest() == state_digest(*state.tensors()) != loaded["digest"]

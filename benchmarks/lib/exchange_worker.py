@@ -223,7 +223,7 @@ def _start_averager(args: argparse.Namespace, ready: dict, cleanup: list[Callabl
             dht,
             run_id="exchange_bench",
             size=args.values,
-            state_provider=lambda: ({}, []),
+            state_provider=lambda **_: ({}, []),
             target_group_size=args.peers,
             quorum=args.peers,
             compression=compression,

@@ -60,7 +60,7 @@ def lie_in_metadata(attack: str) -> None:
 def lie_as_donor(attack: str) -> None:
     honest = outer_state.OuterState.for_peers
 
-    def for_peers(self):
+    def for_peers(self, with_tensors: bool = True):
         metadata, tensors = honest(self)
         if attack == "donor-random":
             tensors = [torch.randn_like(tensor) for tensor in tensors]
@@ -69,7 +69,7 @@ def lie_as_donor(attack: str) -> None:
         else:
             tensors = [torch.randn(tensor.numel() + 7) for tensor in tensors]
         metadata = {**metadata, "outer_step": metadata["outer_step"] + 100, "digest": state_digest(*tensors)}
-        return metadata, tensors
+        return metadata, tensors if with_tensors else []
 
     outer_state.OuterState.for_peers = for_peers
 

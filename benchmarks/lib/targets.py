@@ -306,14 +306,19 @@ def _restart_link(data: dict, results: dict) -> list[Row]:
     for label, phases in data.get("configs", {}).items():
         times = phases["total_over_transfer_limit"]
         restarts = sum(1 for row in data.get("restarts", []) if f"{row['size']} {row['codec']}" == label)
+        fixed = phases["process_start_s"] + phases["join_s"] + phases["first_round_s"]
+        limit = phases["total_s"] / times  # the state's bytes at the link's rate
         why = (
             f"of {phases['total_s']:.1f} s, starting the process takes {phases['process_start_s']:.1f} s and joining "
             f"{phases['join_s']:.1f} s"
             + f", the state {phases['restore_s']:.1f} s ({phases['restore_over_transfer_limit']:.2f}x "
-            f"bytes/bandwidth: asking donors, waiting for a donor's round in flight, libp2p's framing) and the first "
+            "bytes/bandwidth: finding and asking donors, then the download over libp2p, whose TCP/IP headers alone "
+            "take 4% of the link; a donor's round in flight is waited for only when it may merge) and the first "
             f"round {phases['first_round_s']:.1f} s (inner steps and one exchange over the link, whose "
             f"{_pseudo_gradient_mb(phases):.0f} MB pseudo-gradient alone takes "
-            f"{_pseudo_gradient_mb(phases) * 8 / data['rate_mbit']:.1f} s); over the state transfer as the island "
+            f"{_pseudo_gradient_mb(phases) * 8 / data['rate_mbit']:.1f} s): the target, 2 x {limit:.1f} s, leaves "
+            f"{2 * limit - phases['restore_s']:.1f} s beside the state for the start, the join and the first round, "
+            f"which take {fixed:.1f} s; over the state transfer as the island "
             f"timed it, {phases['total_over_restore']:.2f}x. The donor postpones the outer steps it would take "
             "alone while the state downloads, so the newcomer arrives on its step: restarts that found themselves "
             f"a step behind and downloaded the whole state again, {phases.get('second_downloads', '?')} of "

@@ -48,6 +48,8 @@ class OuterState:
         self.hold_s = hold_s
         self._served_at: float | None = None
         self._hold_since = 0.0
+        self._version = 0  # counts the changes to the shared tensors
+        self._digested: tuple[int, str] | None = None  # (version, digest of the whole state)
 
     @classmethod
     def for_run(cls, anchor: torch.Tensor, config: PeerConfig, fingerprint: str) -> OuterState:
@@ -82,7 +84,12 @@ class OuterState:
     def digest(self, fragment: Fragment | None = None) -> str:
         """Digest of the (fragment's) shared tensors: equal on every island of the same lineage."""
         with self.lock:
-            return state_digest(*self.tensors(fragment))
+            if fragment is not None and not fragment.whole:
+                return state_digest(*self.tensors(fragment))
+            # Every round's record digests the whole state, and so does every peer's probe and download of it.
+            if self._digested is None or self._digested[0] != self._version:
+                self._digested = (self._version, state_digest(*self.tensors()))
+            return self._digested[1]
 
     def round_in_flight(self, may_merge: bool = True) -> None:
         """A round's exchange began: if it may merge, its outer step lands soon and a state served before then is stale
@@ -96,8 +103,9 @@ class OuterState:
         """The round in flight landed (merged, alone or caught up): the state is current until the next one."""
         self._settled.set()
 
-    def for_peers(self) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs.
+    def for_peers(self, with_tensors: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs (only the
+        metadata, and no tensors, without `with_tensors`).
 
         While a round is in flight the copy of a large state (SETTLE_MIN_BYTES) waits (up to SETTLE_WAIT_S) for it
         to land: the state it would serve becomes one step old when the round lands, and a newcomer that downloads
@@ -112,14 +120,9 @@ class OuterState:
                 self._hold_since = time.monotonic()
             self._served_at = time.monotonic()
         with self.lock:
-            tensors = [tensor.to("cpu", copy=True) for tensor in self.tensors()]
-            step = self.outer_step
-        metadata = {
-            "outer_step": step,
-            "fingerprint": self.fingerprint,
-            "digest": state_digest(*tensors),
-            "run_id": self.run_id,
-        }
+            tensors = [tensor.to("cpu", copy=True) for tensor in self.tensors()] if with_tensors else []
+            step, digest = self.outer_step, self.digest()
+        metadata = {"outer_step": step, "fingerprint": self.fingerprint, "digest": digest, "run_id": self.run_id}
         return metadata, tensors
 
     def holding(self, round_s: float) -> bool:
@@ -152,6 +155,7 @@ class OuterState:
                 optimizer.pending_count = outer_step % every
                 optimizer.pending = rest[0].clone() if rest and optimizer.pending_count else None
             self.outer_step = outer_step
+            self._version += 1
 
     def load_fragment(self, fragment: Fragment, tensors: list[torch.Tensor]) -> None:
         """Replace one fragment's anchor and momentum with a donor's (from its whole state `tensors`)."""
@@ -162,6 +166,7 @@ class OuterState:
             state = self.optimizer.optimizer.state[self.optimizer.anchor]
             buffer = state.setdefault("momentum_buffer", torch.zeros_like(self.optimizer.anchor.data))
             fragment.put(buffer, fragment.take(momentum).to(device))
+            self._version += 1
 
     def adopt(self, metadata: dict[str, Any], tensors: list[torch.Tensor], source: str) -> None:
         """Load a state downloaded from `source`, refusing one of another model."""
@@ -181,6 +186,7 @@ class OuterState:
             else:
                 self.optimizer.step_fragment(update, fragment.index)
             self.outer_step += 1
+            self._version += 1
 
     def checkpoint(self) -> dict[str, Any]:
         """A consistent copy for a checkpoint."""

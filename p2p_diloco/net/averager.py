@@ -4,6 +4,7 @@ group's staleness rule, matchmaking by schema, and the island's outer state serv
 from __future__ import annotations
 
 import asyncio
+import multiprocessing as mp
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -54,7 +55,8 @@ from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
 
 logger = get_logger(__name__)
 
-StateProvider = Callable[[], tuple[dict[str, Any], Sequence[torch.Tensor]]]
+StateProvider = Callable[..., tuple[dict[str, Any], Sequence[torch.Tensor]]]
+"""Called with `with_tensors`: False for a peer that asks only what the state is (its tensors may then be empty)."""
 
 
 class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, DecentralizedAverager):
@@ -84,6 +86,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         self._direct_lanes: DirectLanes | None = None
         self._adaptive_parts = "part_size_bytes" not in kwargs
         self._state_provider = state_provider
+        self._state_requests: mp.SimpleQueue = mp.SimpleQueue()  # per request to the host: whether tensors go too
         self._staleness_rule = staleness_rule
         self.gate = gate or Gate(None, ban_rounds=0)
         self.robust_merge = robust_merge
@@ -127,9 +130,20 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         await super()._step(**kwargs)
 
     def get_current_state(self) -> tuple[dict[str, Any], Sequence[torch.Tensor], None]:
-        """The island's outer state (anchor, momentum, step...) for a peer that joins late or resyncs."""
-        metadata, tensors = self._state_provider()
+        """The island's outer state (anchor, momentum, step...) for a peer that joins late or resyncs; only its
+        metadata for a peer that asks what the state is (`rpc_state_info`)."""
+        metadata, tensors = self._state_provider(with_tensors=self._state_requests.get())
         return metadata, tensors, None
+
+    async def _get_current_state_from_host_process(self, with_tensors: bool = True):
+        # Overrides hivemind's private request to the host process (its trigger carries no arguments) to say whether
+        # the tensors are wanted: a probe for the state's digest copied the whole state, and moved it through shared
+        # memory, to be dropped here (2 s of a 305 MB restart's 4 s beside its download, benchmarks/restart_link.py).
+        # The flag and the trigger are queued together, so requests and flags stay paired in order.
+        future = MPFuture()
+        self._state_requests.put(with_tensors)
+        self._inner_pipe.send(("_TRIGGER_GET_CURRENT_STATE", future))
+        return await future
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs
@@ -264,7 +278,7 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         """What this island's state is (outer step, digest, model), without the tensors."""
         if not self.gate.allowed(context.remote_id.to_base58()) or not self.allow_state_sharing:
             return averaging_pb2.DownloadData()
-        metadata, _, _ = await self._get_current_state_from_host_process()  # serialized by the host already
+        metadata, _, _ = await self._get_current_state_from_host_process(with_tensors=False)  # serialized already
         return averaging_pb2.DownloadData(metadata=metadata)
 
     async def rpc_present_membership(
