@@ -205,7 +205,7 @@ def test_a_donor_postpones_its_solo_steps_while_a_peer_downloads_its_state(tmp_p
 
 def test_a_round_expected_alone_lets_a_newcomer_download_at_once(tmp_path: Path) -> None:
     # Waiting for a round that can only land alone (its step postponed once the state is served) cost a restart over
-    # 100 Mbit/s 1.8 s of its 8.8 s state transfer (benchmarks/restart_link.py).
+    # 100 Mbit/s 1.5 s of its 8.8 s state transfer (benchmarks/restart_link.py).
     settled_during_round: list[bool] = []
 
     def watched(round_):

@@ -94,7 +94,7 @@ class OuterState:
     def round_in_flight(self, may_merge: bool = True) -> None:
         """A round's exchange began: if it may merge, its outer step lands soon and a state served before then is stale
         on arrival. A round expected alone leaves a served state current (its step is postponed, `holding`), so a
-        newcomer's probe is served at once: waiting for it cost a restart over 100 Mbit/s 1.8 s of its 8.8 s restore
+        newcomer's probe is served at once: waiting for it cost a restart over 100 Mbit/s 1.5 s of its 8.8 s restore
         (benchmarks/restart_link.py, 10M int8, two islands)."""
         if may_merge:
             self._settled.clear()

@@ -138,8 +138,8 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
     async def _get_current_state_from_host_process(self, with_tensors: bool = True):
         # Overrides hivemind's private request to the host process (its trigger carries no arguments) to say whether
         # the tensors are wanted: a probe for the state's digest copied the whole state, and moved it through shared
-        # memory, to be dropped here (2 s of a 305 MB restart's 4 s beside its download, benchmarks/restart_link.py).
-        # The flag and the trigger are queued together, so requests and flags stay paired in order.
+        # memory, to be dropped here (seconds for a 305 MB state). Flag and trigger are queued together, and hivemind's
+        # fetcher thread, the only caller of get_current_state, takes one flag per trigger: they stay paired.
         future = MPFuture()
         self._state_requests.put(with_tensors)
         self._inner_pipe.send(("_TRIGGER_GET_CURRENT_STATE", future))
