@@ -96,6 +96,7 @@ def restart_once(swarm: LocalSwarm, way: str, *, same_host: bool = False) -> dic
     total = merged["time"] - restarted_at
     startup = {phase: first.get(phase) or 0.0 for phase in PHASES[:3]}
     row = {"way": way, **startup, "first_round_s": total - sum(startup.values()), "total_s": total}
+    row["anchor_s"] = first.get("anchor_s")  # how far into restore_s its first round's training began (or None)
     row["resynced"] = bool(merged.get("resynced"))  # its first merge found it off the lineage: a second download
     row["total_over_restore"] = total / startup["restore_s"] if startup["restore_s"] else None
     return row

@@ -10,9 +10,12 @@ restart downloads the swarm's outer state (anchor and Nesterov momentum: 77 MB a
 
 Each restart's first metrics record names its start-up phases (process_start_s, join_s, restore_s: the state
 transfer, download included); first_round_s is the rest until its first merged round (its inner steps and one
-exchange of the pseudo-gradient over the link). `total_over_restore` is restart-to-first-merge over the state
-transfer as the island timed it (restore_s: asking donors, waiting for a donor's round in flight to land, the
-download); `total_over_transfer_limit` divides by the state's bytes at the link's rate instead, the stricter one.
+exchange of the pseudo-gradient over the link). The donor sends the anchor first, and the island trains its first
+round on it while the rest of the state (the outer momentum) downloads: anchor_s is how far into restore_s that
+training began, and first_round_s holds only the inner steps the download did not cover. `total_over_restore` is
+restart-to-first-merge over the state transfer as the island timed it (restore_s: asking donors, waiting for a
+donor's round in flight to land, the download); `total_over_transfer_limit` divides by the state's bytes at the
+link's rate instead, the stricter one.
 
     python benchmarks/restart_link.py             # 10M parameters, 100 Mbit/s, int8, 3 restarts (~3.5 minutes)
     python benchmarks/restart_link.py --extended  # and 10M fp32, 38M int8 (a 305 MB state): ~13 minutes in all
@@ -96,6 +99,9 @@ def summary(rows: list[dict], limit: float) -> dict:
     median["total_over_transfer_limit"] = median["total_s"] / limit
     median["restore_over_transfer_limit"] = median["restore_s"] / limit
     median["second_downloads"] = sum(row["resynced"] for row in rows)
+    early = [row["anchor_s"] for row in rows if row.get("anchor_s") is not None]
+    median["anchor_s"] = statistics.median(early) if early else None
+    median["trained_during_download"] = len(early)
     return median
 
 
@@ -166,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
         rows += [{"size": size, "codec": codec, **row} for row in found]
         results[label] = {"size": size, "codec": codec, "state_bytes": state, "transfer_limit_s": limit}
         results[label].update(summary(found, limit))
-        print(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in summary(found, limit).items()), flush=True)
+        figures = {key: value for key, value in summary(found, limit).items() if value is not None}
+        print(f"{label}: " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()), flush=True)
     result = {
         **provenance("restart_link.py", argv),
         "rate_mbit": args.rate_mbit,

@@ -7,15 +7,18 @@ import math
 import statistics
 import time
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from p2p_diloco.config import NetworkConfig, PeerConfig
 from p2p_diloco.diloco.staleness import plausible_limit, robust_clock
+from p2p_diloco.island.early_anchor import PendingRestore, StateDownload
 from p2p_diloco.island.link import SwarmLink
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.resync import Resync
 from p2p_diloco.island.trainer import LocalTrainer
 from p2p_diloco.net.records import ModelMismatchError
+from p2p_diloco.net.state_serving import AnchorCallback
 from p2p_diloco.signals import GracefulStop
 from p2p_diloco.train.checkpoint import (
     CheckpointError,
@@ -32,10 +35,21 @@ STATE_RETRY_S = 2.0
 """How often a newcomer asks again for the swarm's state while it waits for a donor."""
 
 
-def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: SwarmLink) -> str:
+@dataclass(frozen=True)
+class Restored:
+    """Where an island starts: `pending` when it trains on the swarm's anchor while the rest downloads."""
+
+    origin: str
+    outer_step: int
+    digest: str
+    pending: PendingRestore | None = None
+
+
+def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: SwarmLink) -> Restored:
     """Start from the freshest of: the swarm's current state, this island's checkpoint, a fresh init.
 
-    Returns where the island started, for the log. The model ends up holding the anchor.
+    The model ends up holding the anchor: the swarm's as soon as it is in, the rest of its state then still on the
+    way (`Restored.pending`, for the island to finish before its first exchange).
     """
     checkpoint = None
     if config.checkpoint_dir and not config.fresh:
@@ -47,15 +61,21 @@ def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: 
                 f"model mismatch: checkpoint {path} holds model {checkpoint.get('fingerprint')}, "
                 f"the config builds {state.fingerprint}; point --checkpoint-dir elsewhere"
             )
+        state.load(checkpoint["outer_tensors"], int(checkpoint["outer_step"]))
+        trainer.load_state_dict(checkpoint)
     swarm = None
     if link.online:
         resync = Resync(link.exchange, state, timeout=config.network.state_timeout)
-        own_step = int(checkpoint["outer_step"]) if checkpoint is not None else None
-        swarm = swarm_state(link, config.network, resync, own_step=own_step)
+        own_step = state.outer_step if checkpoint is not None else None
+        download = StateDownload(
+            lambda sink: swarm_state(link, config.network, resync, own_step=own_step, on_anchor=sink)
+        )
+        if (pending := download.early(adoptable=lambda step: step >= max(1, state.outer_step))) is not None:
+            trainer.load_all(pending.anchor)
+            origin = f"swarm state at outer step {pending.outer_step} (its anchor; the rest still downloading)"
+            return Restored(origin, pending.outer_step, pending.digest, pending)
+        swarm = download.result()
     swarm_step = int(swarm[0]["outer_step"]) if swarm else -1
-    if checkpoint is not None:
-        state.load(checkpoint["outer_tensors"], int(checkpoint["outer_step"]))
-        trainer.load_state_dict(checkpoint)
     if swarm is not None and swarm_step >= state.outer_step and swarm_step > 0:
         state.adopt(*swarm, source="the swarm")
         origin = f"swarm state at outer step {swarm_step}"
@@ -64,7 +84,7 @@ def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: 
     else:
         origin = "fresh initialisation"
     trainer.load_all(state.anchor)
-    return origin
+    return Restored(origin, state.outer_step, state.digest())
 
 
 def _others(link: SwarmLink) -> dict[str, dict]:
@@ -130,7 +150,12 @@ def _pace_s(history: Any) -> float:
 
 
 def swarm_state(
-    link: SwarmLink, network: NetworkConfig, resync: Resync, *, own_step: int | None = None
+    link: SwarmLink,
+    network: NetworkConfig,
+    resync: Resync,
+    *,
+    own_step: int | None = None,
+    on_anchor: AnchorCallback | None = None,
 ) -> tuple[dict, list] | None:
     """The swarm's current state from a donor; while the run's records show islands more than a step past
     `own_step` (this island's checkpoint) but no donor answers, keep asking for up to `state_wait_s` (a donor may be
@@ -142,7 +167,8 @@ def swarm_state(
         others = _others(link)
         steps = [info["outer_step"] for info in others.values()]
         limit = donor_step_limit(aged_steps(others.values(), time.time()), network.announce_every)
-        state = resync.download(max_step=limit)
+        early = {} if on_anchor is None else {"on_anchor": on_anchor}
+        state = resync.download(max_step=limit, **early)
         if state is not None:
             return state
         newest = robust_clock(steps)

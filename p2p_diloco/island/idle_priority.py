@@ -39,7 +39,8 @@ def _threads() -> list[int]:
         return [0]
 
 
-def _set_policy(tids: list[int], policy: int) -> None:
+def set_policy(tids: list[int], policy: int) -> None:
+    """Set the scheduling policy of these threads (native ids; 0: the calling one), skipping those gone."""
     for tid in tids:
         try:
             os.sched_setscheduler(tid, policy, os.sched_param(0))
@@ -56,9 +57,9 @@ def idle_priority(what: str) -> Iterator[bool]:
         logger.info(f"{what} at normal CPU priority: this process could not leave idle priority afterwards")
         yield False
         return
-    _set_policy([0], os.SCHED_IDLE)
+    set_policy([0], os.SCHED_IDLE)
     logger.info(f"{what} at idle CPU priority (SCHED_IDLE): the island beside it keeps its CPU")
     try:
         yield True
     finally:
-        _set_policy(_threads(), os.SCHED_OTHER)
+        set_policy(_threads(), os.SCHED_OTHER)

@@ -26,6 +26,7 @@ from p2p_diloco.island.announce import AnnounceSchedule, SwarmViewMixin, fold_pa
 from p2p_diloco.island.catch_up import CatchUpMixin
 from p2p_diloco.island.checkpoints import restore, save, wait_for_islands
 from p2p_diloco.island.contribution import Contribution, round_metadata
+from p2p_diloco.island.early_anchor import EarlyRestoreMixin
 from p2p_diloco.island.link import Joining, SwarmLink, connect, solo_link
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.progress import Progress, history_rounds, startup_times
@@ -46,7 +47,7 @@ Connector = Callable[..., SwarmLink]
 """Makes the island's SwarmLink (`p2p_diloco.island.link.connect`, or a fake one in tests)."""
 
 
-class Island(SwarmViewMixin, CatchUpMixin):
+class Island(SwarmViewMixin, CatchUpMixin, EarlyRestoreMixin):
     """A peer that trains with DiLoCo and merges pseudo-gradients with the swarm."""
 
     def __init__(
@@ -83,7 +84,7 @@ class Island(SwarmViewMixin, CatchUpMixin):
         self.progress = Progress(config.network.run_id, history_rounds(network.announce_every))
         """Recent rounds, announced with the island for `p2p-diloco status` and the dashboard."""
         self.clock = SwarmClock()
-        self.startup: dict[str, float | None] = {"join_s": None}
+        self.startup: dict[str, float | None] = {"join_s": None, "anchor_s": None}
         self.departed: set[str] = set()
         """Islands that announced they were leaving and had no state to give when this island tried to catch up."""
         self.carried = (0, 0)
@@ -141,6 +142,8 @@ class Island(SwarmViewMixin, CatchUpMixin):
         rest = self.trainer.train(steps - early, should_stop=lambda: self.stopping)
         if self.stopping:
             return None
+        if self.restoring is not None and not self._finish_restore():
+            return self._round()  # it trained on an anchor the verified state does not hold: again, from that
         losses, tokens, compute_s = first.losses + rest.losses, first.tokens + rest.tokens, first.seconds + rest.seconds
         ready = get_dht_time()
 
@@ -329,22 +332,24 @@ class Island(SwarmViewMixin, CatchUpMixin):
             connecting = time.monotonic()
             self._connect()
             self.trainer.open_stream(self.peer_id)
-            restoring = time.monotonic()
-            origin = restore(self.config, self.state, self.trainer, self.link)
-            self.startup = startup_times(connecting, restoring, self.link.join_s, self.took_over)
-            start_digest = self.state.digest()
+            self.restore_clock = (connecting, time.monotonic())
+            restored = restore(self.config, self.state, self.trainer, self.link)
+            self.restoring, start_digest = restored.pending, restored.digest
+            if self.restoring is None:
+                self.startup = startup_times(*self.restore_clock, self.link.join_s, self.took_over)
             logger.info(
                 f"island {self.peer_id} joined run {config.network.run_id!r} in {self.link.join_s:.1f}s; "
                 f"{count_parameters(self.trainer.model):,} parameters on {self.trainer.device} "
-                f"({self.trainer.precision.name}), {self.trainer.shard}, starting from {origin} "
-                f"(outer step {self.outer_step}, anchor {start_digest})"
+                f"({self.trainer.precision.name}), {self.trainer.shard}, starting from {restored.origin} "
+                f"(outer step {restored.outer_step}, anchor {start_digest})"
             )
-            start_step, rounds = self.outer_step, 0
+            start_step, rounds = restored.outer_step, 0
             budget = config.train.time_budget_s
             self.deadline = time.monotonic() + budget if budget else None
             if self.link.online:
                 wait_for_islands(self.link, config.network.wait_for_islands, config.network.state_wait_s, self.stop)
-                self._announce()
+                if self.restoring is None:  # else once the state is in (`_finish_restore`)
+                    self._announce()
             record: dict[str, Any] | None = {}
             with self.stop.deferred():
                 while self.outer_step + (self.pending is not None) < config.train.outer_steps and not self.stopping:

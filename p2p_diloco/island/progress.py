@@ -119,13 +119,18 @@ class Progress:
 
 
 def startup_times(
-    connecting: float, restoring: float, join_s: float, took_over: float | None = None
+    connecting: float,
+    restoring: float,
+    join_s: float,
+    took_over: float | None = None,
+    anchor_s: float | None = None,
 ) -> dict[str, float | None]:
     """Where a (re)start's time went before its first round, for that round's record (monotonic clock inputs).
 
     process_start_s: from the process's creation (a standby: its takeover, `took_over`) to joining (interpreter,
     imports, model, data); join_s: the DHT, reachability, announcement and averager; restore_s: the checkpoint or
-    the swarm's state (download included).
+    the swarm's state (download included); anchor_s: when the island trained on the swarm's anchor while the rest
+    of the state downloaded, how far into restore_s its training started (else None).
     """
     restored = time.monotonic()
     age = process_age_s() if took_over is None else restored - took_over
@@ -133,6 +138,7 @@ def startup_times(
         "process_start_s": max(0.0, age - (restored - connecting)),
         "join_s": join_s,
         "restore_s": restored - restoring,
+        "anchor_s": anchor_s,
     }
 
 

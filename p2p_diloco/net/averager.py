@@ -3,10 +3,7 @@ group's staleness rule, matchmaking by schema, and the island's outer state serv
 
 from __future__ import annotations
 
-import asyncio
 import multiprocessing as mp
-import random
-import time
 from collections.abc import Callable, Sequence
 
 # hivemind tells streaming handlers from unary ones by typing.AsyncIterator's name (not collections.abc's).
@@ -16,14 +13,11 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import AllreduceException
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.dht import DHT
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.diloco.staleness import (
     WEIGHT_CAP,
@@ -48,10 +42,10 @@ from p2p_diloco.net.replica import NETWORK_EVERY, ReplicaFirstDHT, averager_walk
 from p2p_diloco.net.round_service import RoundServiceMixin
 from p2p_diloco.net.round_settings import RoundSettingsMixin
 from p2p_diloco.net.shared_memory import shared_zeros
-from p2p_diloco.net.state_transfer import verified_download
+from p2p_diloco.net.state_serving import StateServingMixin
 from p2p_diloco.net.withdrawals import detach_withdrawals
 from p2p_diloco.process import die_with_parent, ignore_group_stop_signals, keep_freed_memory
-from p2p_diloco.timeouts import AVERAGER_COMMAND_S, STATE_MARGIN_S
+from p2p_diloco.timeouts import AVERAGER_COMMAND_S
 
 logger = get_logger(__name__)
 
@@ -59,7 +53,7 @@ StateProvider = Callable[..., tuple[dict[str, Any], Sequence[torch.Tensor]]]
 """Called with `with_tensors`: False for a peer that asks only what the state is (its tensors may then be empty)."""
 
 
-class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, DecentralizedAverager):
+class PseudoGradientAverager(StateServingMixin, RoundServiceMixin, RoundSettingsMixin, DecentralizedAverager):
     """DecentralizedAverager over one flat pseudo-gradient buffer, all-or-nothing, serving the outer state."""
 
     def __init__(
@@ -263,37 +257,6 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
         async for response in super().rpc_aggregate_part(stream, context):
             yield response
 
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """Serve the state only to allowed peers (an empty answer sends the asker to the next donor)."""
-        if not self.gate.allowed(context.remote_id.to_base58()):
-            return
-        async for response in super().rpc_download_state(request, context):
-            yield response
-
-    async def rpc_state_info(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> averaging_pb2.DownloadData:
-        """What this island's state is (outer step, digest, model), without the tensors."""
-        if not self.gate.allowed(context.remote_id.to_base58()) or not self.allow_state_sharing:
-            return averaging_pb2.DownloadData()
-        metadata, _, _ = await self._get_current_state_from_host_process(with_tensors=False)  # serialized already
-        return averaging_pb2.DownloadData(metadata=metadata)
-
-    async def rpc_present_membership(
-        self, request: averaging_pb2.DownloadData, context: P2PContext
-    ) -> averaging_pb2.DownloadData:
-        """Check a peer's membership token (shown before it asks for state); answer with this island's own."""
-        try:
-            token = self.serializer.loads(request.metadata)
-        except Exception:  # garbage: no token
-            token = None
-        reason = self.gate.admit(context.remote_id.to_base58(), token)
-        return averaging_pb2.DownloadData(
-            metadata=self.serializer.dumps({"ok": reason is None, "reason": reason, "membership": self._token})
-        )
-
     def revoke(self, document: Any) -> None:
         """Apply an owner-signed revocation list in the averager process too."""
         future = MPFuture()
@@ -303,90 +266,6 @@ class PseudoGradientAverager(RoundServiceMixin, RoundSettingsMixin, Decentralize
     async def _revoke(self, document: Any, future: MPFuture) -> None:
         self.gate.revoke(document)
         future.set_result(True)
-
-    def load_state_from(
-        self,
-        peers: Sequence[PeerID] | None,
-        timeout: float,
-        *,
-        shapes: Sequence[tuple[int, ...]] | None = None,
-        fingerprint: str | None = None,
-        max_step: int | None = None,
-    ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        """The outer state most of `peers` (any state donors if None) agree on, verified; None if none delivers."""
-        future = MPFuture()
-        kwargs = dict(peers=peers, timeout=timeout, shapes=shapes, fingerprint=fingerprint, max_step=max_step)
-        self._outer_pipe.send(("_load_state_from", [], dict(**kwargs, future=future)))
-        return future.result(timeout=timeout + STATE_MARGIN_S)
-
-    async def _load_state_from(self, future: MPFuture, peers, timeout, shapes, fingerprint, max_step) -> None:
-        try:
-            deadline = time.monotonic() + timeout
-            donors = [peer for peer in (peers or await self._donors()) if peer != self.peer_id]
-            donors = [peer for peer in donors if not self.gate.banned(peer.to_base58())]
-            if self.gate.private:
-                donors = [peer for peer in await asyncio.gather(*map(self._present, donors)) if peer is not None]
-            remaining = max(0.1, deadline - time.monotonic())
-            state = await verified_download(
-                donors,
-                ask=self._state_info,
-                download=self._download_state,
-                fingerprint=fingerprint,
-                shapes=shapes,
-                max_step=max_step,
-                on_liar=lambda peer, why: self.gate.ban(peer.to_base58(), f"{why} as a state donor"),
-                timeout=remaining,
-            )
-            future.set_result(state)
-        finally:
-            if not future.done():
-                future.set_result(None)
-
-    async def _donors(self) -> list[PeerID]:
-        """Every peer that declared itself a state donor of the run (their declared priority is not trusted)."""
-        key = f"{self._matchmaking.group_key_manager.prefix}.all_averagers"
-        found, _ = await self.dht.get(key, latest=True, return_future=True) or ({}, None)
-        donors = []
-        for peer_id in (found or {}).keys():
-            try:
-                donors.append(PeerID(peer_id))
-            except Exception:  # a malformed subkey is someone else's garbage
-                continue
-        random.shuffle(donors)
-        return donors
-
-    async def _present(self, peer: PeerID) -> PeerID | None:
-        """Show our membership token to a donor; the donor if it shows a valid one back."""
-        try:
-            stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-            request = averaging_pb2.DownloadData(metadata=self.serializer.dumps(self._token))
-            answer = self.serializer.loads((await stub.rpc_present_membership(request)).metadata)
-        except Exception as error:  # a donor that cannot answer is no donor
-            logger.debug(f"donor {peer} did not answer about membership: {error!r}")
-            return None
-        if not isinstance(answer, dict) or self.gate.admit(peer.to_base58(), answer.get("membership")) is not None:
-            return None
-        return peer
-
-    async def _state_info(self, peer: PeerID) -> Any:
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        answer = await stub.rpc_state_info(averaging_pb2.DownloadRequest())
-        return self.serializer.loads(answer.metadata) if answer.metadata else None
-
-    async def _download_state(self, peer: PeerID) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, parts, tensors = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return None if not metadata else (metadata, tensors)
 
 
 def _weighable(data: dict[str, Any]) -> bool:

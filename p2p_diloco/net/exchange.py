@@ -31,6 +31,7 @@ from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_bytes_per_window
 from p2p_diloco.net.quiet_logs import quiet_hivemind
 from p2p_diloco.net.records import PROTOCOL_VERSION
+from p2p_diloco.net.state_serving import AnchorCallback
 from p2p_diloco.timeouts import RESULT_MARGIN_S, STAGE_POLL_S, STEP_MARGIN_S
 
 
@@ -228,13 +229,14 @@ class GossipExchange:
         shapes: Sequence[tuple[int, ...]] | None = None,
         fingerprint: str | None = None,
         max_step: int | None = None,
+        on_anchor: AnchorCallback | None = None,
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """The outer state most of the given peers (or of the run's state donors) agree on, checked against the
-        model's `shapes` and `fingerprint` and not past `max_step`; None when no donor delivers one."""
+        model's `shapes` and `fingerprint` and not past `max_step`; None when no donor delivers one. `on_anchor`
+        gets its anchor early, unverified (`PseudoGradientAverager.load_state_from`)."""
         peer_ids = None if peers is None else [PeerID.from_base58(peer) for peer in peers]
-        return self.averager.load_state_from(
-            peer_ids, timeout, shapes=shapes, fingerprint=fingerprint, max_step=max_step
-        )
+        checks = dict(shapes=shapes, fingerprint=fingerprint, max_step=max_step)
+        return self.averager.load_state_from(peer_ids, timeout, **checks, on_anchor=on_anchor)
 
     def set_state_priority(self, priority: float) -> None:
         """The priority hivemind declares this island's state with (client mode shares no state), at most twice per

@@ -29,6 +29,8 @@ PROBE_DONORS = 5
 """How many donors a newcomer asks for their state's digest before downloading."""
 
 State = tuple[dict[str, Any], list[torch.Tensor]]
+AnchorSink = Callable[[dict[str, Any], torch.Tensor], None]
+"""Gets a donor's metadata and its state's first tensor (the anchor) as soon as that is in."""
 
 
 @dataclass(frozen=True)
@@ -114,15 +116,23 @@ async def verified_download(
     max_step: int | None,
     on_liar: Callable[[PeerID, str], None],
     timeout: float,
+    on_anchor: AnchorSink | None = None,
 ) -> State | None:
-    """Ask the donors for their claims, then download and verify the agreed state (None if nobody delivers it)."""
+    """Ask the donors for their claims, then download and verify the agreed state (None if nobody delivers it).
+
+    With `on_anchor`, `download` is called as download(peer, sink), and a donor's anchor that matches the claim's
+    step, the model's first shape and is finite goes on to `on_anchor` before the rest of its state is in (the
+    digest can only be checked on the whole state: the receiver must drop what it did with an anchor that
+    this function does not return in the end)."""
     for _ in range(PROBE_ROUNDS):
         claim, agreeing = await _probe(donors, ask, fingerprint, max_step, timeout)
         moved = 0
         for peer in agreeing:
             started = time.monotonic()
+            sink = None if on_anchor is None else _anchor_sink(claim, shapes, on_anchor)
             try:
-                state = await asyncio.wait_for(download(peer), timeout)
+                fetching = download(peer) if sink is None else download(peer, sink)
+                state = await asyncio.wait_for(fetching, timeout)
             except Exception as error:  # a donor that fails costs only itself
                 logger.warning(f"could not download state from {peer}: {error!r}")
                 continue
@@ -142,6 +152,18 @@ async def verified_download(
         if not moved:
             return None
     return None
+
+
+def _anchor_sink(claim: Claim, shapes: Sequence[tuple[int, ...]] | None, on_anchor: AnchorSink) -> AnchorSink:
+    """Passes on an early anchor only if it can be the claimed state's: the claimed step, the model's shape, finite."""
+
+    def sink(metadata: dict[str, Any], anchor: torch.Tensor) -> None:
+        if claim_of(metadata) != claim or (shapes and tuple(anchor.shape) != tuple(shapes[0])):
+            return
+        if anchor.is_floating_point() and bool(torch.isfinite(anchor).all()):
+            on_anchor(metadata, anchor)
+
+    return sink
 
 
 async def _probe(
