@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_island_rounds import FakeExchange, FakeRecords, island, merged_with, run
+from test_island_rounds import FakeExchange, FakeRecords, island, merged_with, no_partner, run
 
 from p2p_diloco.diloco.outer import OuterOptimizer, state_digest
 from p2p_diloco.island.island import Island
@@ -154,3 +154,40 @@ def test_only_an_anchor_that_can_be_the_claimed_states_is_handed_over_early(offe
     result = asyncio.run(fetch())
     assert len(handed) == (1 if honest else 0)
     assert (result is not None) == honest
+
+
+class GraceRecordingExchange(FakeExchange):
+    """Records the grace window of every averaging round."""
+
+    def __init__(self, rounds: list):
+        super().__init__(rounds)
+        self.graces: list[float] = []
+
+    def average(self, payload, metadata, *, grace_s, **kwargs):
+        self.graces.append(grace_s)
+        return super().average(payload, metadata, grace_s=grace_s, **kwargs)
+
+
+@pytest.mark.parametrize("gap_s", [12.0, 1000.0], ids=["paced", "liar-capped"])
+def test_until_its_first_merge_a_newcomer_waits_a_round_of_the_swarms_for_a_group(tmp_path: Path, gap_s: float) -> None:
+    # Trained during its download, a newcomer is ready before its partners finish their round's inner steps: with
+    # only its 2 s grace window it stepped alone, off the swarm's lineage.
+    history = [[step, 3.0, 1000.0 + step * gap_s] for step in range(4)]
+    view = {"peer-b": {"outer_step": 0, "history": history}, "peer-c": {"outer_step": 0, "leaving": True}}
+    rounds = [no_partner(), merged_with(lambda payload: payload * 0.5), merged_with(lambda payload: payload * 0.5)]
+    exchange = GraceRecordingExchange(rounds)
+    node = island(tmp_path, exchange, FakeRecords(view), **{"train.outer_steps": 3, "network.grace_s": 2.0})
+    run(node)
+    first_wait_s = min(gap_s, node.config.network.averaging_timeout)  # a liar's pace waits no longer than a round may
+    assert 2.0 < first_wait_s and exchange.graces[:2] == [
+        first_wait_s,
+        first_wait_s,
+    ]  # a round alone, then the first merge
+    assert exchange.graces[2] < first_wait_s  # after its first merge, its own grace window again
+
+
+def test_a_newcomer_to_a_swarm_without_paced_records_keeps_its_grace_window(tmp_path: Path) -> None:
+    exchange = GraceRecordingExchange([no_partner()])
+    view = {"peer-b": {"outer_step": 0, "history": [[0, 3.0, 1000.0]]}}  # one round times nothing
+    run(island(tmp_path, exchange, FakeRecords(view), **{"network.grace_s": 2.0}))
+    assert exchange.graces == [2.0]

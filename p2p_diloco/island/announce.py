@@ -10,6 +10,8 @@ stale, it reads the records at once, so that its catch-up knows where the swarm 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -66,6 +68,18 @@ def fold_partner_steps(view: dict[str, dict[str, Any]], partners: Mapping[str, M
     return updated
 
 
+def timed_pace_s(history: Any) -> float | None:
+    """The median time between a record's recent rounds (`Progress.history`: time last); None when they do not
+    time two rounds (or are malformed: a liar's)."""
+    try:
+        times = sorted(float(entry[-1]) for entry in history)
+        gaps = [later - earlier for earlier, later in zip(times, times[1:]) if later > earlier]
+    except (TypeError, ValueError, IndexError):
+        return None
+    pace = statistics.median(gaps) if gaps else None
+    return pace if pace is not None and math.isfinite(pace) else None
+
+
 class SwarmViewMixin:
     """Island's side of the run's records: its announcement, the (scheduled) announce, and the swarm clock."""
 
@@ -86,6 +100,25 @@ class SwarmViewMixin:
         except Exception as error:  # a slow or restarting DHT must not stop training: use the last view
             logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
         return self.swarm_view
+
+    merged_since_start = False
+    """Whether a round merged since this process started (until then `_first_group_grace` applies)."""
+
+    def _first_group_grace(self, grace_s: float) -> float:
+        """The grace window of a round, but until the island's first merge at least a round of the swarm's (the
+        median pace of the records that time two rounds; at most averaging_timeout).
+
+        A newcomer that misses its partners' matchmaking steps alone, off the swarm's lineage, and falls back on
+        resyncs. Trained during its state download, a 38M newcomer's first round was ready seconds before its
+        partner, whose rounds took 15 s, finished its inner steps: its 2 s window ran out first
+        (benchmarks/restart_link.py). A swarm's first rounds have no paced records, and keep the window."""
+        if self.merged_since_start:
+            return grace_s
+        others = [info for peer, info in self.swarm_view.items() if peer != self.peer_id and not info.get("leaving")]
+        known = [pace for pace in map(timed_pace_s, (info.get("history") for info in others)) if pace is not None]
+        if not known:
+            return grace_s
+        return max(grace_s, min(statistics.median(known), self.config.network.averaging_timeout))
 
     def _update_clock(self, round_s: float) -> int:
         """Fold this island's step and the swarm view's into the swarm clock, naming impossible claims; the clock."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -12,6 +11,7 @@ from typing import Any
 
 from p2p_diloco.config import NetworkConfig, PeerConfig
 from p2p_diloco.diloco.staleness import plausible_limit, robust_clock
+from p2p_diloco.island.announce import timed_pace_s
 from p2p_diloco.island.early_anchor import PendingRestore, StateDownload
 from p2p_diloco.island.link import SwarmLink
 from p2p_diloco.island.outer_state import OuterState
@@ -140,13 +140,8 @@ def aged_steps(records: Iterable[Mapping[str, Any]], now: float) -> list[int]:
 
 def _pace_s(history: Any) -> float:
     """The median time between a record's recent rounds (`Progress.history`: time last), or UNKNOWN_PACE_S."""
-    try:
-        times = sorted(float(entry[-1]) for entry in history)
-        gaps = [later - earlier for earlier, later in zip(times, times[1:]) if later > earlier]
-    except (TypeError, ValueError, IndexError):  # a malformed history is a liar's: no pace from it
-        return UNKNOWN_PACE_S
-    pace = statistics.median(gaps) if gaps else UNKNOWN_PACE_S
-    return pace if math.isfinite(pace) else UNKNOWN_PACE_S
+    pace = timed_pace_s(history)
+    return UNKNOWN_PACE_S if pace is None else pace
 
 
 def swarm_state(

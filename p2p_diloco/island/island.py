@@ -218,7 +218,7 @@ class Island(SwarmViewMixin, CatchUpMixin, EarlyRestoreMixin):
             self._announce(scheduled=True)
         if not self.link.online:
             return Verdict(ExchangeResult(merged=None), contribution.compensated, merged=False, note="solo")
-        grace = self.grace.current()
+        grace = self._first_group_grace(self.grace.current())
         timeout = network.averaging_timeout if network.quorum > 1 else grace + SEARCH_MARGIN_S
         if self.deadline is not None:  # never wait for a quorum past the time budget
             timeout = max(grace + SEARCH_MARGIN_S, min(timeout, self.deadline - time.monotonic()))
@@ -278,6 +278,7 @@ class Island(SwarmViewMixin, CatchUpMixin, EarlyRestoreMixin):
             resynced = False
             if verdict.merged:
                 self.state.release()
+                self.merged_since_start = True
                 resync_start = time.monotonic()
                 resynced = self.resync.realign(verdict.partners, contribution.pre_digest, verdict.update, fragment)
                 if resynced:
@@ -370,18 +371,15 @@ class Island(SwarmViewMixin, CatchUpMixin, EarlyRestoreMixin):
                 logger.info(f"stopped by {self.stop.name} at outer step {self.outer_step}")
                 return rounds
             if self.pending is not None:  # the last fragment's exchange is still in flight: land it
-                self._land_last(metrics, record["loss"], start_step)
+                self._log_round(
+                    metrics, self._record(self._land(), [record["loss"]], 0, 0.0, time.monotonic()), None, start_step
+                )
                 rounds += 1
             finished = True
             return rounds
         finally:
             metrics.close()
             self.link.close(linger=finished and not self.stopping)
-
-    def _land_last(self, metrics: MetricsWriter, last_loss: float, start_step: int) -> None:
-        """Land the exchange still in flight at the end of the run and log it as a round of its own."""
-        record = self._record(self._land(), [last_loss], 0, 0.0, time.monotonic())
-        self._log_round(metrics, record, None, start_step)
 
     def _log_round(
         self, metrics: MetricsWriter, record: dict[str, Any], start_digest: str | None, start_step: int
