@@ -1,4 +1,5 @@
-"""A newcomer trains its first round on the swarm's anchor while the rest of the state downloads.
+"""A newcomer's first round: trained on the swarm's anchor while the rest of the state downloads, and waiting a
+round of the swarm's for its first group.
 
 The island is real (tiny model, real inner steps and outer optimizer); its exchange is test_island_rounds' script,
 whose state download hands over the anchor first and holds the rest back until the island has trained on it.
@@ -169,21 +170,17 @@ class GraceRecordingExchange(FakeExchange):
 
 
 @pytest.mark.parametrize("gap_s", [12.0, 1000.0], ids=["paced", "liar-capped"])
-def test_until_its_first_merge_a_newcomer_waits_a_round_of_the_swarms_for_a_group(tmp_path: Path, gap_s: float) -> None:
+def test_a_newcomers_first_exchange_waits_a_round_of_the_swarms_for_a_group(tmp_path: Path, gap_s: float) -> None:
     # Trained during its download, a newcomer is ready before its partners finish their round's inner steps: with
     # only its 2 s grace window it stepped alone, off the swarm's lineage.
     history = [[step, 3.0, 1000.0 + step * gap_s] for step in range(4)]
     view = {"peer-b": {"outer_step": 0, "history": history}, "peer-c": {"outer_step": 0, "leaving": True}}
-    rounds = [no_partner(), merged_with(lambda payload: payload * 0.5), merged_with(lambda payload: payload * 0.5)]
-    exchange = GraceRecordingExchange(rounds)
-    node = island(tmp_path, exchange, FakeRecords(view), **{"train.outer_steps": 3, "network.grace_s": 2.0})
+    exchange = GraceRecordingExchange([no_partner(), no_partner()])
+    node = island(tmp_path, exchange, FakeRecords(view), **{"train.outer_steps": 2, "network.grace_s": 2.0})
     run(node)
     first_wait_s = min(gap_s, node.config.network.averaging_timeout)  # a liar's pace waits no longer than a round may
-    assert 2.0 < first_wait_s and exchange.graces[:2] == [
-        first_wait_s,
-        first_wait_s,
-    ]  # a round alone, then the first merge
-    assert exchange.graces[2] < first_wait_s  # after its first merge, its own grace window again
+    assert 2.0 < first_wait_s and exchange.graces[0] == first_wait_s
+    assert exchange.graces[1] < first_wait_s  # only the first: dead partners' paced records last until they expire
 
 
 def test_a_newcomer_to_a_swarm_without_paced_records_keeps_its_grace_window(tmp_path: Path) -> None:

@@ -65,13 +65,14 @@ def restart(data: dict) -> str:
 
 def restart_link(data: dict) -> str:
     """A restart whose state transfer crosses a shaped link, per model size and codec."""
-    keys = ("process_start_s", "join_s", "restore_s", "first_round_s", "total_s")
+    keys = ("process_start_s", "join_s", "restore_s", "anchor_s", "first_round_s", "total_s")
     ratios = ("total_over_restore", "total_over_transfer_limit", "second_downloads")
     text = (
         f"Each island's uplink is shaped to {data['rate_mbit']:g} Mbit/s; the outer state (anchor and momentum, "
         "fp32) takes `transfer_limit_s` at that rate. Median seconds per phase of the restarted island until its "
-        "first merged round (`second_downloads`: restarts whose first merge found them a step behind, so that they "
-        "downloaded the state again):\n\n"
+        "first merged round (`anchor_s`: how far into `restore_s` the anchor was in and the first round's inner "
+        "steps began, while the rest of the state downloaded; `second_downloads`: restarts whose first merge found "
+        "them a step behind, so that they downloaded the state again):\n\n"
     )
     rows = [
         [label, f"{figures['state_bytes'] / 1e6:.0f} MB", fmt(figures["transfer_limit_s"], 2)]

@@ -300,6 +300,17 @@ def _pseudo_gradient_mb(phases: dict) -> float:
     return phases["state_bytes"] / 2 * quantizer(phases.get("codec", "fp32")).bits_per_value / 32 / 1e6
 
 
+def _first_round_holds(phases: dict) -> str:
+    """What a restart's first round is made of: its inner steps, or only the partner's round once they ran during
+    the state download (from anchor_s into it)."""
+    if phases.get("anchor_s") is None:
+        return "inner steps and"
+    return (
+        f"its inner steps ran during the download, from {phases['anchor_s']:.1f} s into it, on the anchor that "
+        "comes first: waiting for the partner's round and"
+    )
+
+
 def _restart_link(data: dict, results: dict) -> list[Row]:
     """Restart to first merge over the state's transfer at the link's rate, where the transfer is not negligible."""
     out = []
@@ -314,7 +325,7 @@ def _restart_link(data: dict, results: dict) -> list[Row]:
             + f", the state {phases['restore_s']:.1f} s ({phases['restore_over_transfer_limit']:.2f}x "
             "bytes/bandwidth: finding and asking donors, then the download over libp2p, whose TCP/IP headers alone "
             "take 4% of the link; a donor's round in flight is waited for only when it may merge) and the first "
-            f"round {phases['first_round_s']:.1f} s (inner steps and one exchange over the link, whose "
+            f"round {phases['first_round_s']:.1f} s ({_first_round_holds(phases)} one exchange over the link, whose "
             f"{_pseudo_gradient_mb(phases):.0f} MB pseudo-gradient alone takes "
             f"{_pseudo_gradient_mb(phases) * 8 / data['rate_mbit']:.1f} s): the target, 2 x {limit:.1f} s, leaves "
             f"{2 * limit - phases['restore_s']:.1f} s beside the state for the start, the join and the first round, "

@@ -101,19 +101,22 @@ class SwarmViewMixin:
             logger.warning(f"could not reach the DHT to announce this island ({error!r}); using the last view")
         return self.swarm_view
 
-    merged_since_start = False
-    """Whether a round merged since this process started (until then `_first_group_grace` applies)."""
+    exchanged_once = False
+    """Whether this process's island has exchanged yet (its first exchange waits longer: `_round_grace`)."""
 
-    def _first_group_grace(self, grace_s: float) -> float:
-        """The grace window of a round, but until the island's first merge at least a round of the swarm's (the
-        median pace of the records that time two rounds; at most averaging_timeout).
+    def _round_grace(self, grace_s: float) -> float:
+        """The grace window of this round's exchange: `grace_s`, but for the island's first exchange since it
+        started at least a round of the swarm's (the median pace of the records that time two rounds; at most
+        averaging_timeout).
 
         A newcomer that misses its partners' matchmaking steps alone, off the swarm's lineage, and falls back on
         resyncs. Trained during its state download, a 38M newcomer's first round was ready seconds before its
         partner, whose rounds took 15 s, finished its inner steps: its 2 s window ran out first
-        (benchmarks/restart_link.py). A swarm's first rounds have no paced records, and keep the window."""
-        if self.merged_since_start:
+        (benchmarks/restart_link.py). Only the first: partners that died leave records that keep their pace until
+        they expire. A swarm's first rounds have no paced records and keep the window."""
+        if self.exchanged_once:
             return grace_s
+        self.exchanged_once = True
         others = [info for peer, info in self.swarm_view.items() if peer != self.peer_id and not info.get("leaving")]
         known = [pace for pace in map(timed_pace_s, (info.get("history") for info in others)) if pace is not None]
         if not known:

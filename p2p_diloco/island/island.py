@@ -218,7 +218,7 @@ class Island(SwarmViewMixin, CatchUpMixin, EarlyRestoreMixin):
             self._announce(scheduled=True)
         if not self.link.online:
             return Verdict(ExchangeResult(merged=None), contribution.compensated, merged=False, note="solo")
-        grace = self._first_group_grace(self.grace.current())
+        grace = self._round_grace(self.grace.current())
         timeout = network.averaging_timeout if network.quorum > 1 else grace + SEARCH_MARGIN_S
         if self.deadline is not None:  # never wait for a quorum past the time budget
             timeout = max(grace + SEARCH_MARGIN_S, min(timeout, self.deadline - time.monotonic()))
@@ -278,7 +278,6 @@ class Island(SwarmViewMixin, CatchUpMixin, EarlyRestoreMixin):
             resynced = False
             if verdict.merged:
                 self.state.release()
-                self.merged_since_start = True
                 resync_start = time.monotonic()
                 resynced = self.resync.realign(verdict.partners, contribution.pre_digest, verdict.update, fragment)
                 if resynced:
