@@ -99,17 +99,27 @@ def test_the_targets_table_judges_each_figure_from_its_result_file() -> None:
     }
     phases = {"process_start_s": 3, "join_s": 1, "restore_s": 8, "first_round_s": 3, "total_s": 15}
     phases.update(state_bytes=76_976_128, total_over_restore=1.9, second_downloads=0)
+    link_fp32_anchor_s = 3.7  # its first round's inner steps ran during the download
     link = {
         "10M int8": {**phases, "codec": "int8", "total_over_transfer_limit": 2.5, "restore_over_transfer_limit": 1.3},
+        "10M fp32": {
+            **phases,
+            "codec": "fp32",
+            "total_over_transfer_limit": 2.2,
+            "restore_over_transfer_limit": 1.1,
+            "anchor_s": link_fp32_anchor_s,
+        },
         "38M int8": {**phases, "codec": "int8", "total_over_transfer_limit": 1.9, "restore_over_transfer_limit": 1.1},
     }
     restart_link = {"rate_mbit": 100.0, "configs": link, "restarts": [{"size": "10M", "codec": "int8"}]}
     results = {"exchange": exchange, "chaos": chaos, "restart_link": restart_link}
     rows = {row[0]: row[1:] for row in target_rows(results)}
     over_link = rows["restart to first merge / state transfer (10M int8, 100 Mbit/s)"]
-    assert over_link[:3] == ["2.5x", "<= 2x", "no"] and "again, 0 of 1 (" in over_link[3]
-    assert "whose 10 MB pseudo-gradient alone takes 0.8 s" in over_link[3]
-    assert rows["restart to first merge / state transfer (38M int8, 100 Mbit/s)"] == ["1.9x", "<= 2x", "yes", ""]
+    assert over_link[:3] == ["2.50x", "<= 2x", "no"] and "again, 0 of 1 (" in over_link[3]
+    assert "whose 10 MB pseudo-gradient alone takes 0.8 s" in over_link[3] and "inner steps and one" in over_link[3]
+    trained_early = rows["restart to first merge / state transfer (10M fp32, 100 Mbit/s)"][3]
+    assert "inner steps ran during the download, from 3.7 s into it" in trained_early
+    assert rows["restart to first merge / state transfer (38M int8, 100 Mbit/s)"] == ["1.90x", "<= 2x", "yes", ""]
     assert rows["exchange fp32: speed-up over stock hivemind (10M/50M x 2/4 peers)"] == ["3.00", ">= 2x", "yes", ""]
     assert rows["exchange fp32: gloo fp32's time / ours"] == ["0.50", ">= 0.25", "yes", ""]
     assert rows["exchange int8: gloo fp32's time / ours"][:3] == ["0.20", ">= 0.25", "no"]

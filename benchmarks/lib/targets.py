@@ -336,7 +336,7 @@ def _restart_link(data: dict, results: dict) -> list[Row]:
             f"{restarts} (3 of 3 at 38M before the donor postponed)"
         )
         figure = f"restart to first merge / state transfer ({label}, {data['rate_mbit']:g} Mbit/s)"
-        out.append((figure, f"{times:.1f}x", "<= 2x", times <= 2, why))
+        out.append((figure, f"{times:.2f}x", "<= 2x", times <= 2, why))
     return out
 
 
