@@ -12,13 +12,13 @@ from typing import Any
 from p2p_diloco.config import NetworkConfig, PeerConfig
 from p2p_diloco.diloco.staleness import plausible_limit, robust_clock
 from p2p_diloco.island.announce import timed_pace_s
-from p2p_diloco.island.early_anchor import PendingRestore, StateDownload
+from p2p_diloco.island.early_anchor import PendingRestore, StateDownload, adoptable
 from p2p_diloco.island.link import SwarmLink
 from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.resync import Resync
 from p2p_diloco.island.trainer import LocalTrainer
 from p2p_diloco.net.records import ModelMismatchError
-from p2p_diloco.net.state_serving import AnchorCallback
+from p2p_diloco.net.state_transfer import AnchorSink
 from p2p_diloco.signals import GracefulStop
 from p2p_diloco.train.checkpoint import (
     CheckpointError,
@@ -70,15 +70,14 @@ def restore(config: PeerConfig, state: OuterState, trainer: LocalTrainer, link: 
         download = StateDownload(
             lambda sink: swarm_state(link, config.network, resync, own_step=own_step, on_anchor=sink)
         )
-        if (pending := download.early(adoptable=lambda step: step >= max(1, state.outer_step))) is not None:
+        if (pending := download.early(state)) is not None:
             trainer.load_all(pending.anchor)
             origin = f"swarm state at outer step {pending.outer_step} (its anchor; the rest still downloading)"
             return Restored(origin, pending.outer_step, pending.digest, pending)
         swarm = download.result()
-    swarm_step = int(swarm[0]["outer_step"]) if swarm else -1
-    if swarm is not None and swarm_step >= state.outer_step and swarm_step > 0:
+    if swarm is not None and adoptable(int(swarm[0]["outer_step"]), state):
         state.adopt(*swarm, source="the swarm")
-        origin = f"swarm state at outer step {swarm_step}"
+        origin = f"swarm state at outer step {state.outer_step}"
     elif checkpoint is not None:
         origin = f"checkpoint at outer step {state.outer_step}"
     else:
@@ -150,7 +149,7 @@ def swarm_state(
     resync: Resync,
     *,
     own_step: int | None = None,
-    on_anchor: AnchorCallback | None = None,
+    on_anchor: AnchorSink | None = None,
 ) -> tuple[dict, list] | None:
     """The swarm's current state from a donor; while the run's records show islands more than a step past
     `own_step` (this island's checkpoint) but no donor answers, keep asking for up to `state_wait_s` (a donor may be

@@ -24,17 +24,21 @@ from p2p_diloco.island.outer_state import OuterState
 from p2p_diloco.island.progress import startup_times
 from p2p_diloco.island.rounds import in_background
 from p2p_diloco.island.trainer import LocalTrainer
-from p2p_diloco.net.state_serving import AnchorCallback
+from p2p_diloco.net.state_transfer import AnchorSink, State
 
 logger = logging.getLogger(__name__)
 
-State = tuple[dict[str, Any], list[torch.Tensor]]
+
+def adoptable(step: int, state: OuterState) -> bool:
+    """Whether the swarm's state at outer `step` replaces `state` (a checkpoint's or a fresh init, at step 0, which
+    every island of the run starts from alike)."""
+    return step >= max(1, state.outer_step)
 
 
 class StateDownload:
     """The swarm's state downloading in a background thread, its anchor handed over as soon as it is in."""
 
-    def __init__(self, fetch: Callable[[AnchorCallback], State | None]):
+    def __init__(self, fetch: Callable[[AnchorSink], State | None]):
         self.started = time.monotonic()
         self.metadata: dict[str, Any] | None = None
         self.anchor: torch.Tensor | None = None
@@ -47,10 +51,10 @@ class StateDownload:
         self.metadata, self.anchor, self.anchor_s = metadata, anchor, time.monotonic() - self.started
         self._settled.set()
 
-    def early(self, adoptable: Callable[[int], bool]) -> PendingRestore | None:
+    def early(self, state: OuterState) -> PendingRestore | None:
         """Wait for the anchor; the restore to finish later if the island can train on it now, else None."""
         self._settled.wait()
-        if self.anchor is None or not adoptable(int(self.metadata["outer_step"])):
+        if self.anchor is None or not adoptable(int(self.metadata["outer_step"]), state):
             return None
         self._train_at_idle_priority()
         return PendingRestore(self, self.anchor, int(self.metadata["outer_step"]), str(self.metadata["digest"]))
@@ -87,7 +91,7 @@ class PendingRestore:
     def finish(self, state: OuterState, trainer: LocalTrainer) -> bool:
         """Adopt the verified state; True if its anchor is the one the island trained on (else it is reloaded)."""
         swarm = self.download.result()
-        if swarm is not None and int(swarm[0]["outer_step"]) >= max(1, state.outer_step):
+        if swarm is not None and adoptable(int(swarm[0]["outer_step"]), state):
             state.adopt(*swarm, source="the swarm")
         kept = swarm is not None and torch.equal(swarm[1][0], self.anchor)
         if not kept:

@@ -13,7 +13,7 @@ from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.lineage import canonical_lineage, donors
 from p2p_diloco.diloco.outer import state_digest
 from p2p_diloco.island.outer_state import OuterState
-from p2p_diloco.net.state_serving import AnchorCallback
+from p2p_diloco.net.state_transfer import AnchorSink
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +42,11 @@ class Resync:
         self.exchange, self.state, self.timeout = exchange, state, timeout
 
     def download(
-        self, peers: list[str] | None = None, max_step: int | None = None, on_anchor: AnchorCallback | None = None
+        self, peers: list[str] | None = None, max_step: int | None = None, on_anchor: AnchorSink | None = None
     ) -> tuple[dict, list] | None:
         """A verified state (of our model and shapes) from the donors, or None; `on_anchor` gets its anchor early."""
         shapes = [tuple(tensor.shape) for tensor in self.state.tensors()]
-        checks = dict(shapes=shapes, fingerprint=self.state.fingerprint, max_step=max_step)
-        if on_anchor is not None:
-            checks["on_anchor"] = on_anchor
+        checks = dict(shapes=shapes, fingerprint=self.state.fingerprint, max_step=max_step, on_anchor=on_anchor)
         return self.exchange.load_state(timeout=self.timeout, peers=peers, **checks)
 
     def catch_up(self, max_step: int | None = None) -> CatchUp:

@@ -31,7 +31,7 @@ from p2p_diloco.net.parts import GATHER_KEY as PART_GATHER_KEY
 from p2p_diloco.net.parts import part_bytes_per_window
 from p2p_diloco.net.quiet_logs import quiet_hivemind
 from p2p_diloco.net.records import PROTOCOL_VERSION
-from p2p_diloco.net.state_serving import AnchorCallback
+from p2p_diloco.net.state_transfer import AnchorSink
 from p2p_diloco.timeouts import RESULT_MARGIN_S, STAGE_POLL_S, STEP_MARGIN_S
 
 
@@ -229,7 +229,7 @@ class GossipExchange:
         shapes: Sequence[tuple[int, ...]] | None = None,
         fingerprint: str | None = None,
         max_step: int | None = None,
-        on_anchor: AnchorCallback | None = None,
+        on_anchor: AnchorSink | None = None,
     ) -> tuple[dict[str, Any], list[torch.Tensor]] | None:
         """The outer state most of the given peers (or of the run's state donors) agree on, checked against the
         model's `shapes` and `fingerprint` and not past `max_step`; None when no donor delivers one. `on_anchor`

@@ -10,7 +10,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 # hivemind tells streaming handlers from unary ones by typing.AsyncIterator's name (not collections.abc's).
 from typing import Any, AsyncIterator  # noqa: UP035
@@ -27,9 +27,6 @@ from p2p_diloco.net.state_transfer import AnchorSink, State, verified_download
 from p2p_diloco.timeouts import STATE_MARGIN_S
 
 logger = logging.getLogger(__name__)
-
-AnchorCallback = Callable[[dict[str, Any], torch.Tensor], None]
-"""Called in the island's process with the donor's metadata and its anchor, as soon as the anchor is in."""
 
 
 class StateServingMixin:
@@ -74,7 +71,7 @@ class StateServingMixin:
         shapes: Sequence[tuple[int, ...]] | None = None,
         fingerprint: str | None = None,
         max_step: int | None = None,
-        on_anchor: AnchorCallback | None = None,
+        on_anchor: AnchorSink | None = None,
     ) -> State | None:
         """The outer state most of `peers` (any state donors if None) agree on, verified; None if none delivers.
 
