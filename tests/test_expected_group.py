@@ -14,6 +14,7 @@ def test_islands_missing_from_recent_rounds_and_silent_since_are_not_expected() 
     expected = ExpectedPartners(memory_rounds=2)
     view = {"me": {"time": 0.0}, "a": {"time": 1.0}, "b": {"time": 1.0}, "c": {"time": 1.0}}
     assert expected.expected(view, "me") is None  # too few rounds to tell who stopped coming
+    assert expected.partners == {"a", "b", "c"}
     expected.observe(["a", "b", "c"], ended_at=10.0)
     expected.observe(["a", "b"], ended_at=20.0)
     assert expected.expected(view, "me") == 4  # c merged one round ago
@@ -25,6 +26,7 @@ def test_islands_missing_from_recent_rounds_and_silent_since_are_not_expected() 
     view["e"] = {"time": float("nan")}  # a record that lies about its time is never expected on that account
     view["f"] = {"time": True}
     assert expected.expected(view, "me") == 5
+    assert expected.partners == {"a", "b", "c", "d"}  # whom a donor pings before it holds a state request
     expected.observe(["a", "b"], ended_at=50.0)
     assert expected.expected(view, "me") == 5  # read one round ago: still waited for
     expected.observe(["a", "b"], ended_at=60.0)

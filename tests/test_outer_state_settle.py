@@ -4,6 +4,7 @@ lands, not the one it replaces (which would be a step old on arrival and cost th
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -138,3 +139,61 @@ def test_a_probe_gets_the_digest_without_the_tensors_and_the_digest_follows_ever
     half = Fragment(number=0, count=2, index=slice(0, 4), tensor_sizes=(8,), size=4)
     state.load_fragment(half, [torch.ones(8), torch.ones(8)])
     assert state.digest() == state_digest(*state.tensors()) != loaded["digest"]
+
+
+class _Pings:
+    """A stand-in for the island's ping of a round's partners: each call's future, answered by the test."""
+
+    def __init__(self) -> None:
+        self.futures: list[Future] = []
+        self.started = threading.Event()
+
+    def __call__(self) -> Future:
+        self.futures.append(Future())
+        self.started.set()
+        return self.futures[-1]
+
+
+def test_a_round_whose_partners_answer_no_ping_is_not_waited_for() -> None:
+    state, pings = _state(), _Pings()
+    state.round_in_flight(pinger=pings)  # its partner was killed just before the round began
+    thread, served = _serve_in_background(state)
+    assert pings.started.wait(5), "the request did not ping the round's partners"
+    pings.futures[0].set_result(set())
+    thread.join(timeout=5)
+    assert not thread.is_alive(), "the request waited for a round whose partners are gone"
+    assert served[0][0]["outer_step"] == 0
+    assert state.holding(round_s=1.0)
+
+
+def test_a_round_whose_partner_answers_is_still_waited_for() -> None:
+    state, pings = _state(), _Pings()
+    state.round_in_flight(pinger=pings)
+    thread, served = _serve_in_background(state)
+    assert pings.started.wait(5)
+    pings.futures[0].set_result({"partner"})
+    thread.join(timeout=0.3)
+    assert thread.is_alive(), "the state was served while a round with a live partner was in flight"
+    state.step(torch.ones(8), WHOLE)
+    state.round_landed()
+    thread.join(timeout=5)
+    assert served[0][0]["outer_step"] == 1
+
+
+def test_a_late_ping_answer_does_not_release_the_next_round() -> None:
+    state, pings = _state(), _Pings()
+    state.round_in_flight(pinger=pings)
+    thread, _ = _serve_in_background(state)
+    assert pings.started.wait(5)
+    state.round_landed()
+    thread.join(timeout=5)
+    state.release()
+    state._served_at = None  # the newcomer merged: the next request starts a hold again
+    state.round_in_flight(pinger=None)  # the next round, with live partners
+    pings.futures[0].set_result(set())  # the first round's ping ends only now
+    thread, served = _serve_in_background(state)
+    thread.join(timeout=0.3)
+    assert thread.is_alive(), "an old round's ping released the state while the next round was in flight"
+    state.round_landed()
+    thread.join(timeout=5)
+    assert served

@@ -33,6 +33,8 @@ class ExpectedPartners:
         """Per island: the round (counted here) and the wall-clock time it was last in a group with this island."""
         self.announce_read: dict[str, tuple[float, int]] = {}
         """Per island: its newest announce time read here, and the round (counted here) when it was first read."""
+        self.partners: set[str] = set()
+        """The other islands the latest `expected` counted (every other island in view when it could not tell)."""
 
     def observe(self, partners: Iterable[str], ended_at: float) -> list[str]:
         """Record one finished round: who was in the group, and when it ended (wall-clock seconds); the islands
@@ -53,9 +55,10 @@ class ExpectedPartners:
         connected is not waited for: a process that died took its connections with it. The island leaves out of
         it, too, a recent partner that missed a round and answers no ping since: a frozen process keeps its
         connections open."""
+        self.partners = {peer for peer in view if peer != own_peer}
         if self.memory_rounds <= 0 or self.rounds < self.memory_rounds:
             return None  # too few rounds to tell who stopped coming
-        count = 1
+        counted = set()
         for peer, record in view.items():
             if peer == own_peer:
                 continue
@@ -67,8 +70,10 @@ class ExpectedPartners:
             recent = seen_round is not None and self.rounds - seen_round < self.memory_rounds
             recent = recent and (connected is None or peer in connected)
             announced_since = _number(announced) and announced > seen_at
-            count += recent or (announced_since and self.rounds - self._read_at(peer, announced) < self.memory_rounds)
-        return count
+            if recent or (announced_since and self.rounds - self._read_at(peer, announced) < self.memory_rounds):
+                counted.add(peer)
+        self.partners = counted
+        return 1 + len(counted)
 
     def _read_at(self, peer: str, announced: float) -> int:
         """The round in which this island first read `peer`'s announce at time `announced`."""

@@ -213,7 +213,7 @@ class Island(SwarmViewMixin, CatchUpMixin, EarlyRestoreMixin):
         expected = (
             self.expected.expected(self.swarm_view, self.peer_id, self.link.connected()) if self.link.online else 1
         )
-        self.state.round_in_flight(may_merge=expected != 1)
+        self.state.round_in_flight(may_merge=expected != 1, pinger=self.link.pinger(self.expected.partners))
         if overlapped and self.link.online:
             self._announce(scheduled=True)
         if not self.link.online:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +110,13 @@ class SwarmLink:
             self.probing = (list(peers), probe_peers(self.dht, list(peers), PROBE_S), time.monotonic())
         except Exception as error:  # a busy DHT process: the peers stay expected, as without a probe
             logger.debug(f"could not probe {peers}: {error!r}")
+
+    def pinger(self, peers: set[str] | None) -> Callable[[], Any] | None:
+        """A call that starts a ping of `peers` (a future of those that answered within PROBE_S); None without any."""
+        if self.dht is None or not peers:
+            return None
+        dht, targets = self.dht, sorted(peers)
+        return lambda: probe_peers(dht, targets, PROBE_S)
 
     def silent(self) -> set[str]:
         """The peers that did not answer the latest probe, waiting out one under way (at most PROBE_S from its

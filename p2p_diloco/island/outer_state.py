@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -12,6 +14,8 @@ from p2p_diloco.config import NetworkConfig, PeerConfig
 from p2p_diloco.diloco.fragments import Fragment
 from p2p_diloco.diloco.outer import OuterOptimizer, state_digest
 from p2p_diloco.net.records import ModelMismatchError
+
+logger = logging.getLogger(__name__)
 
 SETTLE_WAIT_S = 10.0
 """How long a donor holds a state request while a round of its own is in flight (`OuterState.for_peers`)."""
@@ -45,6 +49,10 @@ class OuterState:
         self.outer_step = 0
         self._settled = threading.Event()
         self._settled.set()
+        self._round_lock = threading.Lock()
+        self._rounds = 0  # rounds begun: tells a late answer to `_round_pinger`'s ping from the current round's
+        self._round_pinger: Callable[[], Any] | None = None
+        self._ping: Any = None  # the latest ping of a round's partners (a future)
         self.hold_s = hold_s
         self._served_at: float | None = None
         self._hold_since = 0.0
@@ -91,17 +99,48 @@ class OuterState:
                 self._digested = (self._version, state_digest(*self.tensors()))
             return self._digested[1]
 
-    def round_in_flight(self, may_merge: bool = True) -> None:
+    def round_in_flight(self, may_merge: bool = True, pinger: Callable[[], Any] | None = None) -> None:
         """A round's exchange began: if it may merge, its outer step lands soon and a state served before then is stale
         on arrival. A round expected alone leaves a served state current (its step is postponed, `holding`), so a
         newcomer's probe is served at once: waiting for it cost a restart over 100 Mbit/s 1.5 s of its 8.8 s restore
-        (benchmarks/restart_link.py, 10M int8, two islands)."""
-        if may_merge:
-            self._settled.clear()
+        (benchmarks/restart_link.py, 10M int8, two islands).
+
+        `pinger` starts a ping of the partners the round expects: a future of the set that answered. A request that
+        would wait for the round pings them first, and none answering means the round cannot merge (a partner
+        killed just before it began is still expected, by its last announce, until its record is read again)."""
+        with self._round_lock:
+            self._rounds += 1
+            self._round_pinger = pinger if may_merge else None
+            if may_merge:
+                self._settled.clear()
 
     def round_landed(self) -> None:
         """The round in flight landed (merged, alone or caught up): the state is current until the next one."""
         self._settled.set()
+
+    def _wait_for_round(self) -> None:
+        """Wait (up to SETTLE_WAIT_S) for the round in flight to land, or for its expected partners to answer no
+        ping: the restarted island's probe waited out its donor's round with the incarnation it replaced (0.8 s of a
+        12.6 s restart over 100 Mbit/s, benchmarks/restart_link.py)."""
+        with self._round_lock:
+            pinger, number = self._round_pinger, self._rounds
+        if pinger is not None and not self._settled.is_set():
+            try:
+                # Kept: hivemind drops the answer to an MPFuture nobody holds, and the callback with it.
+                self._ping = pinger()
+                self._ping.add_done_callback(lambda future: self._partners_answered(future, number))
+            except Exception as error:  # a busy DHT process: wait for the round as without a ping
+                logger.debug(f"could not ping the round's partners: {error!r}")
+        self._settled.wait(SETTLE_WAIT_S)
+
+    def _partners_answered(self, future: Any, number: int) -> None:
+        """A ping of round `number`'s partners ended: if nobody answered, that round cannot merge."""
+        if future.cancelled() or future.exception() is not None or future.result():
+            return
+        with self._round_lock:
+            if number == self._rounds and not self._settled.is_set():
+                logger.info("serving the state without waiting for the round in flight: its partners answer no ping")
+                self._settled.set()
 
     def for_peers(self, with_tensors: bool = True) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """A consistent copy of the whole state with its metadata, for a peer that joins late or resyncs (only the
@@ -116,7 +155,7 @@ class OuterState:
             # Within a hold, a round in flight steps only by a merge, which makes the state a step old whether the
             # request waits for it or not: only a request that starts a hold (a newcomer's probe) waits.
             if not self.holding(0.0):
-                self._settled.wait(SETTLE_WAIT_S)
+                self._wait_for_round()
                 self._hold_since = time.monotonic()
             self._served_at = time.monotonic()
         with self.lock:
