@@ -14,6 +14,24 @@ import subprocess
 from dataclasses import dataclass
 
 _COUNTER = itertools.count()
+LEFTOVER_EXIT_S = 5.0
+"""How long the processes left in a namespace at close may take to exit on their own before they are killed: torch's
+shared-memory manager of each island there removes the island's /dev/shm segments only once the island has exited,
+3.4 s after its last client exits; killed at once it left them behind (tens of MB per island in every
+restart_link.py run)."""
+
+
+def _let_finish(pids: list[str], timeout: float) -> None:
+    """Wait up to `timeout` for the processes `pids` to exit."""
+    import psutil
+
+    processes = []
+    for pid in pids:
+        try:
+            processes.append(psutil.Process(int(pid)))
+        except (ValueError, psutil.Error):
+            continue
+    psutil.wait_procs(processes, timeout=timeout)
 
 
 def _run(*command: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -144,6 +162,8 @@ class Internet:
 
     def close(self) -> None:
         """Delete every namespace this internet made (their links, routes and rules go with them)."""
+        leftovers = [_run("ip", "netns", "pids", name, check=False).stdout.split() for name in self.namespaces]
+        _let_finish([pid for pids in leftovers for pid in pids], LEFTOVER_EXIT_S)
         for namespace in reversed(self.namespaces):
             for pid in _run("ip", "netns", "pids", namespace, check=False).stdout.split():
                 _run("kill", "-9", pid, check=False)
