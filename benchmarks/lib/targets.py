@@ -127,7 +127,10 @@ def _link(data: dict, results: dict) -> list[Row]:
             "spread (1.27-1.43x at 4 islands, int8): parts 8 times smaller, reading 8 parts ahead rather than 2, "
             "replies sent apart from the reduction or held until a member's own parts were out, a tbf queue of 50 "
             "or 1000 ms rather than 400, overlapping a reducer's encoding with its sends. Lanes kept across rounds "
-            "would shorten the start; what idles one uplink mid-round is not found yet"
+            "would shorten the start. While one island's uplink runs at 10-65% of its rate, even at a round's start "
+            "when all its own parts are ready, its downlink keeps receiving, so it is not starved of parts: the next "
+            "suspect is that lanes are new TCP connections every round, ramping up while their ACKs queue behind "
+            "other hosts' full uplinks, which lanes kept across rounds would test"
         )
         out.append(
             (
