@@ -111,7 +111,7 @@ class SwarmLink:
         except Exception as error:  # a busy DHT process: the peers stay expected, as without a probe
             logger.debug(f"could not probe {peers}: {error!r}")
 
-    def pinger(self, peers: set[str] | None) -> Callable[[], Any] | None:
+    def pinger(self, peers: set[str]) -> Callable[[], Any] | None:
         """A call that starts a ping of `peers` (a future of those that answered within PROBE_S); None without any."""
         if self.dht is None or not peers:
             return None
