@@ -62,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--master", default="127.0.0.1", help=argparse.SUPPRESS)
     parser.add_argument("--no-check", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--uplink-mbit", type=float, default=0.0, help=argparse.SUPPRESS)  # link.py's paced islands
     return parser.parse_args(argv)
 
 

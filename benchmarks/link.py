@@ -9,6 +9,10 @@ the same links is the reference for what TCP itself achieves there.
 The limit is what a bandwidth-optimal all-reduce must upload from every island, 2 (N - 1) / N x payload, at the
 link's rate; `ratio_to_limit` is seconds per round over that.
 
+Each island is told its uplink (`--uplink-mbit`, as a user who knows it would): its lanes share it evenly and send
+its own parts before its replies (`p2p_diloco.net.pacing`). Rows with `paced: false` leave the sharing to TCP, for
+comparison: the full run adds them at 100 Mbit/s for int8, `--unpaced` makes every row so.
+
     python benchmarks/link.py            # 2 and 4 islands: 100 Mbit/s x fp32, int8, int4; 1 Gbit/s x fp32 (+ gloo)
     python benchmarks/link.py --quick    # 2 islands, 100 Mbit/s, fp32 and int8, 3 rounds
     python benchmarks/link.py --smoke    # 1M values, 2 islands, 100 Mbit/s, fp32, 1 round (used by the tests)
@@ -46,6 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, help="timed rounds per configuration (default 5; --quick 3)")
     parser.add_argument("--queue-ms", type=int, default=400, help="tbf's queue, in ms of traffic (default 400)")
     parser.add_argument("--no-gloo", action="store_true", help="skip gloo's reference rows")
+    parser.add_argument("--unpaced", action="store_true", help="islands not told their uplink: TCP shares it")
     parser.add_argument("--logs", type=Path, help="keep the islands' logs in this folder")
     return parser.parse_args(argv)
 
@@ -62,8 +67,11 @@ def limit_seconds(payload: int, islands: int, rate_mbit: float) -> float:
     return 2 * (islands - 1) / islands * payload * 8 / (rate_mbit * 1e6)
 
 
-def run_link(system: str, codec: str, islands: int, rate_mbit: float, args: argparse.Namespace, **timing) -> dict:
-    """One configuration on fresh hosts: `islands` namespaces on a bridge, each uplink shaped to `rate_mbit`."""
+def run_link(
+    system: str, codec: str, islands: int, rate_mbit: float, paced: bool, args: argparse.Namespace, **timing
+) -> dict:
+    """One configuration on fresh hosts: `islands` namespaces on a bridge, each uplink shaped to `rate_mbit`
+    (and each island told so if `paced`)."""
     with netns.Internet() as internet:
         hosts = [internet.public_host(f"i{index}") for index in range(islands)]
         burst_kb = max(64, math.ceil(rate_mbit * 1e6 / 8 / 250 * BURST_TICKS / 1024))
@@ -77,6 +85,7 @@ def run_link(system: str, codec: str, islands: int, rate_mbit: float, args: argp
             codec=codec,
             hosts=hosts,
             wire=lambda: sum(internet.sent_bytes(host) for host in hosts),
+            uplink_mbit=rate_mbit if paced else 0.0,
         )
     payload = payload_bytes(codec, args.values)
     limit = limit_seconds(payload, islands, rate_mbit)
@@ -88,6 +97,7 @@ def run_link(system: str, codec: str, islands: int, rate_mbit: float, args: argp
     row.update(
         islands=islands,
         rate_mbit=rate_mbit,
+        paced=paced if system == "p2p_diloco" else None,
         payload_bytes=payload,
         limit_s=limit,
         seconds_per_round=seconds,
@@ -101,30 +111,38 @@ def run_link(system: str, codec: str, islands: int, rate_mbit: float, args: argp
     return row
 
 
-def configurations(args: argparse.Namespace) -> list[tuple[str, str, int, float]]:
-    """(system, codec, islands, rate) in run order: each rate and group size, gloo's fp32 first.
+def configurations(args: argparse.Namespace) -> list[tuple[str, str, int, float, bool]]:
+    """(system, codec, islands, rate, paced) in run order: each rate and group size, gloo's fp32 first.
 
     Without `--codecs`, links faster than 100 Mbit/s run fp32 only: there the codecs' CPU, not the link, is the
-    limit on 2 cores, which the 100 Mbit/s rows already show.
+    limit on 2 cores, which the 100 Mbit/s rows already show. The full run (not --quick or --smoke) adds int8
+    unpaced at 100 Mbit/s, beside the paced rows.
     """
     runs = []
     for rate in args.rates:
         codecs = args.codecs or (DEFAULT_CODECS if rate <= 100 else ["fp32"])
         for islands in args.islands:
             if not args.no_gloo:
-                runs.append(("gloo", "fp32", islands, rate))
-            runs += [("p2p_diloco", codec, islands, rate) for codec in codecs]
+                runs.append(("gloo", "fp32", islands, rate, False))
+            runs += [("p2p_diloco", codec, islands, rate, not args.unpaced) for codec in codecs]
+            if rate == 100 and not (args.unpaced or args.quick or args.smoke or args.codecs):
+                runs.append(("p2p_diloco", "int8", islands, rate, False))
     return runs
+
+
+def system_label(row: dict) -> str:
+    """The row's system, marked where its islands left the uplink's sharing to TCP."""
+    return row["system"] + (" unpaced" if row.get("paced") is False else "")
 
 
 def print_table(rows: list[dict]) -> None:
     """The rows as a table: seconds per round against the link's limit."""
-    print(f"{'Mbit/s':>7} {'islands':>7} {'system':>10} {'codec':>5} {'payload MB':>10} {'s/round':>8}")
+    print(f"{'Mbit/s':>7} {'islands':>7} {'system':>19} {'codec':>5} {'payload MB':>10} {'s/round':>8}")
     for row in rows:
         seconds = row.get("seconds_per_round")
         shown = f"{seconds:8.2f} (limit {row['limit_s']:.2f} s, {row['ratio_to_limit']:.2f}x)" if seconds else "failed"
         print(
-            f"{row['rate_mbit']:7g} {row['islands']:7d} {row['system']:>10} {row['codec']:>5} "
+            f"{row['rate_mbit']:7g} {row['islands']:7d} {system_label(row):>19} {row['codec']:>5} "
             f"{row['payload_bytes'] / 1e6:10.1f} {shown}"
         )
 
@@ -137,15 +155,19 @@ def plot(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     done = [row for row in rows if row.get("ratio_to_limit")]
-    labels = [f"{r['rate_mbit']:g} Mbit/s\n{r['islands']} isl.\n{r['system'][:5]} {r['codec']}" for r in done]
+    labels = [
+        f"{r['rate_mbit']:g} Mbit/s\n{r['islands']} isl.\n{r['system'][:5]} {r['codec']}"
+        + ("\nunpaced" if r.get("paced") is False else "")
+        for r in done
+    ]
     figure, axes = plt.subplots(figsize=(max(6, 0.8 * len(done)), 4))
-    colors = ["#999999" if r["system"] == "gloo" else "#3b6ea8" for r in done]
+    colors = ["#999999" if r["system"] == "gloo" else "#c9a227" if r.get("paced") is False else "#3b6ea8" for r in done]
     axes.bar(range(len(done)), [r["ratio_to_limit"] for r in done], color=colors)
     axes.axhline(1.0, color="black", linewidth=0.8)
     axes.axhline(1.25, color="#c44e52", linestyle="--", linewidth=0.8, label="target: 1.25x the limit")
     axes.set_xticks(range(len(done)), labels, fontsize=7)
     axes.set_ylabel("seconds per round / (2(N-1)/N x payload / rate)")
-    axes.set_title("One round on shaped links (grey: gloo fp32)")
+    axes.set_title("One round on shaped links (grey: gloo fp32; yellow: unpaced lanes)")
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)
@@ -171,9 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         logs = args.logs or Path(tmp)
         logs.mkdir(parents=True, exist_ok=True)
         timing = dict(warmup=1, rounds=rounds, logs=logs, socket_dir=Path(sock))
-        for system, codec, islands, rate in configurations(args):
-            print(f"== {rate:g} Mbit/s, {islands} islands, {system} {codec} ...", flush=True)
-            row = run_link(system, codec, islands, rate, args, **timing)
+        for system, codec, islands, rate, paced in configurations(args):
+            shared = "" if system == "gloo" else " paced" if paced else " unpaced"
+            print(f"== {rate:g} Mbit/s, {islands} islands, {system} {codec}{shared} ...", flush=True)
+            row = run_link(system, codec, islands, rate, paced, args, **timing)
             rows.append(row)
             if row.get("seconds"):
                 print(
@@ -192,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             "streams_repaired": "reply streams that broke in the timed rounds and whose missing parts the member "
             "fetched from the reducer again (the round then completed for every member)",
             "ratio_to_limit": "seconds_per_round / limit_s",
+            "paced": "the islands were told their uplink (--uplink-mbit): lanes share it evenly, own parts before "
+            "replies; false: TCP shares it",
             "wire_bytes_per_peer_per_round": "bytes each host sent on its link per timed round (Ethernet frames)",
             "bytes_sent_per_peer_per_round": "bytes each island's averager sent (its parts and replies)",
         },

@@ -94,7 +94,7 @@ def link(data: dict) -> str:
         [
             row["rate_mbit"],
             row["islands"],
-            row["system"],
+            row["system"] + (" (unpaced)" if row.get("paced") is False else ""),
             row["codec"],
             row["payload_bytes"] / 1e6,
             row["seconds_per_round"],

@@ -166,6 +166,8 @@ class NetworkConfig:
     """Send all-reduce parts over TCP straight to islands it can reach (AES-GCM sealed), the rest over libp2p."""
     direct_port: int = 0
     """TCP port of the direct lanes (0: any free port; fix it and open it to be reached directly)."""
+    uplink_mbit: float = 0.0
+    """This island's upload rate in Mbit/s, if known: its lanes share it evenly, own parts first (0: TCP shares it)."""
     peers_file: str | None = None
     """Keep the multiaddrs of live peers here; a restart joins through them as well as --initial-peers."""
     rebootstrap_s: float = 15.0
@@ -393,8 +395,3 @@ def apply_codec_defaults(config: PeerConfig, given: set[str]) -> None:
         if dotted not in given:
             section, key = dotted.split(".")
             setattr(getattr(config, section), key, value)
-
-
-def to_dict(config: PeerConfig) -> dict[str, Any]:
-    """Plain nested dict of a config, for logs and metadata."""
-    return dataclasses.asdict(config)

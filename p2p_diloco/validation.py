@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -164,6 +165,8 @@ def _validate_network(network: NetworkConfig) -> None:
         raise ConfigError("network.announce_every and dht_walk_every must be >= 1, direct_port in 0..65535 (0: any)")
     if not 0 <= network.relay_port < 65536:
         raise ConfigError(f"network.relay_port={network.relay_port} must be in 0..65535 (0: any)")
+    if not 0 <= network.uplink_mbit < math.inf:
+        raise ConfigError(f"network.uplink_mbit={network.uplink_mbit} must be a rate in Mbit/s, or 0 (unpaced)")
     if network.quorum < 1 or network.target_group_size < network.quorum or network.wait_for_islands < 1:
         raise ConfigError("network.target_group_size must be >= network.quorum >= 1, network.wait_for_islands >= 1")
     if network.expect_rounds < 0:

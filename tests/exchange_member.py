@@ -76,7 +76,7 @@ def freeze_after_ticket() -> None:
 
     from p2p_diloco.net.direct import DirectLanes
 
-    async def frozen(self, peer: str, offer) -> None:
+    async def frozen(self, peer: str, offer, **options) -> None:
         print("TICKET", flush=True)
         await asyncio.Event().wait()
 
@@ -119,6 +119,7 @@ def main() -> None:
     parser.add_argument("--freeze-after-frames", type=int, help="fault: the averager stops itself mid-round")
     parser.add_argument("--no-retries", action="store_true", help="report a failed round at once, not retry it")
     parser.add_argument("--lanes", choices=["on", "off"], default="on", help="direct lanes, or libp2p streams only")
+    parser.add_argument("--uplink-mbit", type=float, default=0.0, help="pace the lanes to share this uplink")
     args = parser.parse_args()
     setup_logging("info")
     if args.cut_replies_after is not None:
@@ -148,6 +149,7 @@ def main() -> None:
         next_chunk_timeout=args.chunk_timeout,
         staleness_rule=STALENESS_RULE,
         direct_lanes=args.lanes == "on",
+        uplink_mbit=args.uplink_mbit,
     )
     try:
         if args.schema_tag is not None:

@@ -169,11 +169,14 @@ def _true_mean(seeds: list[int], size: int) -> torch.Tensor:
     return torch.stack([member_vector(seed, size) for seed in seeds]).mean(dim=0)
 
 
-def test_group_gets_the_exact_mean_with_identical_bits(members: Members) -> None:
+@pytest.mark.parametrize("uplink_mbit", ["0", "400"])
+def test_group_gets_the_exact_mean_with_identical_bits(members: Members, uplink_mbit: str) -> None:
+    # Paced lanes (an uplink declared) hold each member's replies until its own parts are out: same bits.
     size, seeds = 300_000, [1, 2, 3]
-    first = members.start(seeds[0], size, 3, [], "--chunk-timeout", "10")
+    options = ["--chunk-timeout", "10", "--uplink-mbit", uplink_mbit]
+    first = members.start(seeds[0], size, 3, [], *options)
     for seed in seeds[1:]:
-        members.start(seed, size, 3, [first.maddr], "--chunk-timeout", "10")
+        members.start(seed, size, 3, [first.maddr], *options)
     members.go()
     results = [members.result(process) for process in members.processes]
     mean = _true_mean(seeds, size)
@@ -190,7 +193,7 @@ def test_group_gets_the_exact_mean_with_identical_bits(members: Members) -> None
     assert all(result["lanes"] == 2 for result in results if result["merged"] is not None), results
 
 
-@pytest.mark.parametrize("lanes", ["on", "off"])
+@pytest.mark.parametrize("lanes", ["on", "off", "paced"])
 def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays_whole(
     members: Members, tmp_path: Path, lanes: str
 ) -> None:
@@ -199,7 +202,8 @@ def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays
     # and every member merges the same, exact mean.
     size, seeds = 1_200_000, [51, 52, 53]
     logs = [tmp_path / f"member-{seed}.log" for seed in seeds]
-    options = ["--chunk-timeout", "10", "--lanes", lanes]
+    options = ["--chunk-timeout", "10", "--lanes", "off" if lanes == "off" else "on"]
+    options += ["--uplink-mbit", "400" if lanes == "paced" else "0"]
     first = members.start(seeds[0], size, 3, [], *options, log=logs[0])
     members.start(seeds[1], size, 3, [first.maddr], *options, log=logs[1])
     members.start(seeds[2], size, 3, [first.maddr], *options, "--cut-replies-after", "1", log=logs[2])
@@ -220,7 +224,7 @@ def test_a_member_whose_reply_stream_breaks_fetches_the_rest_and_the_round_stays
     # One repair per round attempt: a loaded machine may retry a group attempt that fell through after its repair.
     assert sorted(min(result["repairs"], 1) for result in results[:2]) == [0, 1] and results[2]["repairs"] == 0
     # Lanes opened so far (a loaded machine's member may have opened one more in a group attempt that fell through).
-    assert all((result["lanes"] >= 2) if lanes == "on" else (result["lanes"] == 0) for result in results), results
+    assert all((result["lanes"] >= 2) if lanes != "off" else (result["lanes"] == 0) for result in results), results
 
 
 def test_group_applies_the_staleness_rule_against_its_robust_clock(members: Members) -> None:
@@ -354,6 +358,7 @@ def test_a_poisoned_part_dooms_the_round_at_once() -> None:
     import torch
 
     from p2p_diloco.net.allreduce import StrictAllReduceRunner
+    from p2p_diloco.net.pacing import OwnPartsOut
 
     registered = []
 
@@ -365,9 +370,11 @@ def test_a_poisoned_part_dooms_the_round_at_once() -> None:
     runner.doomed, runner.tensor_part_container, runner.ordered_peer_ids = asyncio.Event(), Container(), ["a", "b"]
     runner.poisoned = False
     runner.tensor_part_reducer, runner._senders_connected = SimpleNamespace(poisoned=False), {}
+    runner.own_parts = OwnPartsOut([1])  # its parts for reducer 1 are still going out
     runner._register_part(0, 0, torch.full((4,), 3e38))  # overflows its sum, yet every value is finite
     assert not runner.doomed.is_set() and not runner.poisoned
     runner._register_part(1, 0, torch.tensor([1.0, float("nan")]))
     assert runner.doomed.is_set() and runner.poisoned and registered == [(0, 0), (1, 0)]
-    # The round is lost to this member, so its own reducer returns poison from now on: the group agrees at once.
-    assert runner.tensor_part_reducer.poisoned
+    # The round is lost to this member, so its own reducer returns poison from now on: the group agrees at once,
+    # and a paced member no longer holds its (poisoned) replies back for its own parts.
+    assert runner.tensor_part_reducer.poisoned and runner.own_parts.event.is_set()

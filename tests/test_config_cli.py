@@ -11,7 +11,7 @@ from p2p_diloco.cli.flags import FLAG_ALIASES
 from p2p_diloco.cli.flags import overrides as cli_overrides
 from p2p_diloco.cli.known_swarms import SwarmListError, load_swarms, resolve_swarm, swarms_file
 from p2p_diloco.cli.main import EXIT_BAD_INPUT, build_parser, main
-from p2p_diloco.config import ConfigError, PeerConfig, load_config, to_dict
+from p2p_diloco.config import ConfigError, PeerConfig, load_config
 from p2p_diloco.net.maddrs import MultiaddrError, validate_maddr, validate_maddrs
 
 PEER_ID = "12D3KooWSY5iuuGuvHRpLGhuEZ3bCdWu75nYxJxcgpvrpuxJDRZV"
@@ -152,6 +152,8 @@ def test_missing_file(tmp_path):
         ({"network.announce_every": 0}, "announce_every"),
         ({"network.dht_walk_every": 0}, "dht_walk_every"),
         ({"network.relay_port": 70000}, "relay_port"),
+        ({"network.uplink_mbit": -1.0}, "uplink_mbit"),
+        ({"network.uplink_mbit": float("nan")}, "uplink_mbit"),
         ({"network.expect_rounds": -1}, "expect_rounds"),
         ({"network.leader_poll_s": 1.0}, "leader_poll_s"),
         ({"network.run_id": "a.b"}, "run id"),
@@ -177,7 +179,7 @@ def test_tiny_toml_loads():
     assert config.model.d_model == 32 and config.model.n_heads == 2 and config.model.n_layers == 1
     assert config.train.inner_steps == 10 and config.train.outer_steps == 5
     assert config.network.request_timeout < config.network.min_matchmaking_time
-    assert to_dict(config)["model"]["seq_len"] == 32
+    assert dataclasses.asdict(config)["model"]["seq_len"] == 32
 
 
 # --- CLI

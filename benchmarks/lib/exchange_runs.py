@@ -292,10 +292,13 @@ def run_config(
     part_size: int | None = None,
     hosts: list[Any] | None = None,
     wire: Callable[[], int] | None = None,
+    uplink_mbit: float = 0.0,
 ) -> dict:
     """Start `peers` workers of one system, run warm-up and timed rounds; return the row."""
     command = [sys.executable, str(SCRIPT), "--worker", system, "--peers", str(peers)]
     command += ["--values", str(values), "--socket-dir", str(socket_dir), "--codec", codec]
+    if uplink_mbit:
+        command += ["--uplink-mbit", str(uplink_mbit)]
     if part_size:
         command += ["--part-size", str(part_size)]
     if profile_dir is not None:

@@ -229,6 +229,7 @@ def _start_averager(args: argparse.Namespace, ready: dict, cleanup: list[Callabl
             compression=compression,
             codec=args.codec,
             part_size_bytes=args.part_size,
+            uplink_mbit=args.uplink_mbit,
             **timeouts,
         )
         averager = exchange.averager

@@ -314,6 +314,7 @@ def network_exchange(
         membership_token=None if membership is None else membership.token,
         direct_lanes=network.direct_lanes,
         direct_port=network.direct_port,
+        uplink_mbit=network.uplink_mbit,
         dht_walk_every=network.dht_walk_every,
         **options,
     )

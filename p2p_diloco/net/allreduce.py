@@ -26,6 +26,7 @@ from p2p_diloco.net.codecs import decode_into
 from p2p_diloco.net.counters import ByteCounters, LinkLimiter
 from p2p_diloco.net.direct import DirectLanes
 from p2p_diloco.net.lane_parts import LanePartsMixin
+from p2p_diloco.net.pacing import OwnPartsOut
 from p2p_diloco.net.reducers import make_reducer
 from p2p_diloco.net.repair import ServedParts
 
@@ -104,6 +105,10 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         self.link = LinkLimiter.from_env()
         reduces = self.tensor_part_container.num_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)] > 0
         self._remote_senders = sum(peer != self.peer_id for peer in self.sender_peer_ids) if reduces else 0
+        me, sends = self.ordered_peer_ids.index(self.peer_id), self.peer_id in self.sender_peer_ids
+        parts_by_peer = self.tensor_part_container.num_parts_by_peer
+        self.remote_reducers = [i for i, n in enumerate(parts_by_peer) if n and i != me] if sends else []
+        self.own_parts = OwnPartsOut(self.remote_reducers)
         self._closed_sender_streams = 0
         self._replies_sent = asyncio.Event()
         if self._remote_senders == 0:
@@ -172,6 +177,10 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         except asyncio.TimeoutError:
             logger.debug("a sender's stream to this reducer is still open; its bytes may count in a later round")
 
+    def remote_senders(self) -> int:
+        """Senders other than this member whose parts this member reduces (each gets its replies over a lane)."""
+        return self._remote_senders
+
     @property
     def failed_size(self) -> int:
         """Elements whose reducer never answered."""
@@ -236,6 +245,8 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
             self.tensor_part_container.register_failed_reducer(peer_index)
             self._doom()
             raise
+        finally:
+            self.own_parts.done(peer_index)
 
     def _register_part(self, peer_index: int, part_index: int, averaged: torch.Tensor) -> None:
         """Register a reducer's averaged part. A poisoned one (its reducer lost a sender) dooms the round at once:
@@ -255,6 +266,7 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
             return
         self.doomed.set()
         self.tensor_part_reducer.poisoned = True
+        self.own_parts.release()
         # A sender that took a lane ticket counts as active (`expect_sender`) but may never connect.
         missing = [peer for peer, connected in self._senders_connected.items() if not connected.is_set()]
         if missing and not self._future.done():
@@ -329,6 +341,7 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
             if self.link is not None:
                 await self.link.send(message.tensor_part.ByteSize())
             yield message
+        self.own_parts.done(peer_index)
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext

@@ -70,13 +70,14 @@ class PseudoGradientAverager(StateServingMixin, RoundServiceMixin, RoundSettings
         leader_poll_s: float = DEFAULT_POLL_S,
         direct_lanes: bool = True,
         direct_port: int = 0,
+        uplink_mbit: float = 0.0,
         dht_walk_every: int = NETWORK_EVERY,
         **kwargs: Any,
     ):
         self.byte_counters = ByteCounters()
         # Lanes open sockets in the averager's own process, on first use (see _lanes).
         self._lanes_wanted = direct_lanes and DirectLanes.enabled_by_env()
-        self._direct_port = direct_port
+        self._direct_port, self._uplink_mbit = direct_port, uplink_mbit
         self._direct_lanes: DirectLanes | None = None
         self._adaptive_parts = "part_size_bytes" not in kwargs
         self._state_provider = state_provider

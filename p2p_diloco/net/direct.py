@@ -47,6 +47,7 @@ from p2p_diloco.net.lane import (  # noqa: F401 (re-exported: the lane's names a
     LaneSilent,
     read_exactly,
 )
+from p2p_diloco.net.pacing import lane_rate, pace_socket
 
 logger = get_logger(__name__)
 
@@ -114,8 +115,10 @@ class DirectLanes:
     """One averager process's lanes: the listening sockets it serves as a reducer, the tickets it issued, and the
     reducers it could not reach (a sender then uses libp2p)."""
 
-    def __init__(self, port: int = 0) -> None:
+    def __init__(self, port: int = 0, uplink_mbit: float = 0.0) -> None:
         self.port = port
+        self.uplink_mbit = uplink_mbit
+        """The island's declared upload rate: lanes share it evenly (`p2p_diloco.net.pacing`); 0: unpaced."""
         self._tickets: dict[bytes, Ticket] = {}
         self._unreachable: dict[str, float] = {}
         self._listeners: list[socket.socket] = []
@@ -186,6 +189,8 @@ class DirectLanes:
         if entry is None or entry.expires < time.monotonic():
             sock.close()  # not ours: a stranger, a replayed or an expired ticket
             return
+        if self.paced:  # the replies of this lane share the uplink with those to the round's other senders
+            pace_socket(sock, lane_rate(self.uplink_mbit, entry.runner.remote_senders()))
         lane = Lane(sock, entry.key, outgoing=TO_SENDER)
         try:
             await entry.runner.reduce_from_lane(lane, entry.sender_index)
@@ -200,9 +205,14 @@ class DirectLanes:
         """Whether to try a lane to this reducer (not after a recent failure)."""
         return self._unreachable.get(peer, 0.0) < time.monotonic()
 
-    async def connect(self, peer: str, offer: Any) -> Lane | None:
+    @property
+    def paced(self) -> bool:
+        """Whether lanes share a declared uplink (and members send their own parts before their replies)."""
+        return self.uplink_mbit > 0
+
+    async def connect(self, peer: str, offer: Any, lanes: int = 1) -> Lane | None:
         """A lane to the reducer that made `offer`, or None (remembered for RETRY_S) when none of its addresses
-        answers."""
+        answers; paced as one of `lanes` this member sends its parts over at once."""
         parsed = parse_offer(offer)
         if parsed is None:
             return None
@@ -216,6 +226,8 @@ class DirectLanes:
             except (OSError, asyncio.TimeoutError):
                 sock.close()
                 continue
+            if self.paced:
+                pace_socket(sock, lane_rate(self.uplink_mbit, lanes))
             return Lane(sock, key, outgoing=TO_REDUCER)
         self.mark_unreachable(peer)
         logger.info(f"no direct lane to {peer} ({', '.join(hosts)} port {port}): sending over libp2p")

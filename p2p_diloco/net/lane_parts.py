@@ -72,7 +72,7 @@ class LanePartsMixin:
         if offer is None:
             self.lanes.mark_unreachable(peer)
             return None
-        return await self.lanes.connect(peer, offer)
+        return await self.lanes.connect(peer, offer, lanes=len(self.remote_reducers))
 
     async def _ban_if_silent(self, peer_id: PeerID, waited: float) -> None:
         """Ban `peer_id` as a sender to this reducer unless its parts have started to come: it answered nothing
@@ -90,6 +90,7 @@ class LanePartsMixin:
         raw = self._compression_type == runtime_pb2.CompressionType.NONE
         parts = self.tensor_part_container.get_raw_input_parts(peer_index) if raw else None
         sending = asyncio.create_task(self._send_over_lane(lane, peer_index, parts))
+        sending.add_done_callback(lambda _: self.own_parts.done(peer_index))
         try:
             if self.should_delay_results(self.peer_id):
                 await sending
@@ -219,12 +220,18 @@ class LanePartsMixin:
         shapes = [part.shape for part in self.parts_for_local_averaging]
         arrived: asyncio.Queue = asyncio.Queue(maxsize=READ_AHEAD)
         reading = asyncio.create_task(self._read_lane_parts(lane, shapes, arrived))
+        # Paced, a member sends its own parts before its replies (p2p_diloco.net.pacing): they queue meanwhile.
+        paced = self.lanes is not None and self.lanes.paced and not delay
+        replies: asyncio.Queue | None = asyncio.Queue() if paced else None
+        writer = asyncio.create_task(self._write_replies(lane, replies)) if replies is not None else None
         part_index = 0
         try:
             while part_index < self.tensor_part_reducer.num_parts:
                 item = await arrived.get()
                 if isinstance(item, BaseException):
                     raise item
+                if writer is not None and writer.done():
+                    writer.result()  # a reply that could not be sent ends the lane now
                 kind, weight, values, compression = item
                 try:
                     averaged = await self.tensor_part_reducer.accumulate_part(
@@ -233,17 +240,18 @@ class LanePartsMixin:
                 except BannedException:
                     break
                 part_index += 1
-                if kind == RAW_FP32:
-                    await self.served.record(part_index - 1, averaged)
-                    reply = _raw_bytes(averaged)
-                else:
-                    reply = (await self.served.serialized(part_index - 1, averaged, compression)).SerializeToString()
+                reply = await self._reply_payload(part_index - 1, kind, averaged, compression)
                 if delay:
                     held.append((part_index - 1, kind, reply))
+                elif replies is not None:
+                    replies.put_nowait((part_index - 1, kind, reply))
                 else:
                     await self._send_frame(lane, part_index - 1, kind, reply, 0.0, self.sender_timeout)
             for index, kind, reply in held:
                 await self._send_frame(lane, index, kind, reply, 0.0, self.sender_timeout)
+            if writer is not None:
+                replies.put_nowait(None)
+                await writer
             # The sender closes the lane once it holds every result, also those it asked again for over libp2p:
             # until then this round's replies are not all out (see StrictAllReduceRunner.wait_for_replies).
             if part_index == self.tensor_part_reducer.num_parts:  # a banned sender's parts are no longer read
@@ -252,10 +260,29 @@ class LanePartsMixin:
             logger.info(f"direct lane to sender {peer_id} ended after {part_index} parts: {error!r}")
         finally:
             reading.cancel()
+            if writer is not None:
+                writer.cancel()
             self.byte_counters.add_wire(lane.bytes_sent, lane.bytes_received)
             self._sender_stream_closed()
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(peer_id)
+
+    async def _reply_payload(self, index: int, kind: int, averaged: torch.Tensor, compression: int):
+        """Averaged part `index` as its reply frame carries it (recorded for a member that may ask for it again)."""
+        if kind == RAW_FP32:
+            await self.served.record(index, averaged)
+            return _raw_bytes(averaged)
+        return (await self.served.serialized(index, averaged, compression)).SerializeToString()
+
+    async def _write_replies(self, lane: Lane, replies: asyncio.Queue) -> None:
+        """Send the replies queued for one sender, in order, once this member's own parts are out; None ends them."""
+        try:  # bounded all the same: a reply held forever would hold the sender's whole round
+            await asyncio.wait_for(self.own_parts.event.wait(), self.sender_timeout or TICKET_S)
+        except asyncio.TimeoutError:
+            logger.debug("own parts still going out after the chunk timeout: replies go now")
+        while (reply := await replies.get()) is not None:
+            index, kind, payload = reply
+            await self._send_frame(lane, index, kind, payload, 0.0, self.sender_timeout)
 
     async def _read_lane_parts(self, lane: Lane, shapes: list[torch.Size], arrived: asyncio.Queue) -> None:
         """Read and decode a sender's parts ahead of the reduction, into READ_AHEAD + 2 rotating buffers (a part's

@@ -24,7 +24,7 @@ class RoundServiceMixin:
     def _lanes(self) -> DirectLanes | None:
         """This process's direct lanes (None when they are off)."""
         if self._lanes_wanted and self._direct_lanes is None:
-            self._direct_lanes = DirectLanes(self._direct_port)
+            self._direct_lanes = DirectLanes(self._direct_port, self._uplink_mbit)
         return self._direct_lanes
 
     async def rpc_direct_ticket(
