@@ -11,7 +11,14 @@ import time
 import pytest
 
 from p2p_diloco.net.lane_parts import LanePartsMixin
-from p2p_diloco.net.pacing import MIN_UNSENT, SO_MAX_PACING_RATE, OwnPartsOut, lane_rate, pace_socket
+from p2p_diloco.net.pacing import (
+    MIN_UNSENT,
+    SO_MAX_PACING_RATE,
+    OwnPartsOut,
+    UplinkShare,
+    lane_rate,
+    pace_socket,
+)
 
 
 def test_lanes_share_the_declared_uplink_evenly_just_below_it() -> None:
@@ -57,11 +64,36 @@ def test_a_paced_socket_sends_no_faster_than_its_rate(connected) -> None:
     assert time.monotonic() - started >= 0.8 * (len(payload) - first) / 4_000_000
 
 
+def test_the_lanes_sending_at_the_moment_share_the_uplink_evenly() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
+    servers = [listener.accept()[0] for _ in clients]
+    try:
+        share = UplinkShare(100)
+
+        def rates() -> list[int]:
+            return [client.getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) for client in clients]
+
+        for client in clients:
+            share.start(client)
+        assert rates() == [lane_rate(100, 3)] * 3
+        share.stop(clients[0])  # done with its parts: the two still sending take its share
+        assert rates()[1:] == [lane_rate(100, 2)] * 2
+        clients[1].close()  # closed under the share (a broken lane): forgotten, the last one sends alone
+        share.start(clients[0])
+        share.stop(clients[0])
+        assert clients[2].getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == lane_rate(100, 1)
+    finally:
+        for sock in [listener, *clients, *servers]:
+            sock.close()
+
+
 class _Member(LanePartsMixin):
     """A runner's reply side alone: the frames it sends are recorded."""
 
     def __init__(self, reducers: list[int]) -> None:
         self.own_parts = OwnPartsOut(reducers)
+        self.lanes = None  # unpaced: the hold alone is under test here
         self.sender_timeout = 5.0
         self.sent: list[int] = []
 

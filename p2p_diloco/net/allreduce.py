@@ -177,10 +177,6 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         except asyncio.TimeoutError:
             logger.debug("a sender's stream to this reducer is still open; its bytes may count in a later round")
 
-    def remote_senders(self) -> int:
-        """Senders other than this member whose parts this member reduces (each gets its replies over a lane)."""
-        return self._remote_senders
-
     @property
     def failed_size(self) -> int:
         """Elements whose reducer never answered."""

@@ -47,7 +47,7 @@ from p2p_diloco.net.lane import (  # noqa: F401 (re-exported: the lane's names a
     LaneSilent,
     read_exactly,
 )
-from p2p_diloco.net.pacing import lane_rate, pace_socket
+from p2p_diloco.net.pacing import UplinkShare
 
 logger = get_logger(__name__)
 
@@ -117,8 +117,8 @@ class DirectLanes:
 
     def __init__(self, port: int = 0, uplink_mbit: float = 0.0) -> None:
         self.port = port
-        self.uplink_mbit = uplink_mbit
-        """The island's declared upload rate: lanes share it evenly (`p2p_diloco.net.pacing`); 0: unpaced."""
+        self.share = UplinkShare(uplink_mbit) if uplink_mbit > 0 else None
+        """The island's declared upload rate, shared by the lanes sending (`p2p_diloco.net.pacing`); None: unpaced."""
         self._tickets: dict[bytes, Ticket] = {}
         self._unreachable: dict[str, float] = {}
         self._listeners: list[socket.socket] = []
@@ -189,8 +189,6 @@ class DirectLanes:
         if entry is None or entry.expires < time.monotonic():
             sock.close()  # not ours: a stranger, a replayed or an expired ticket
             return
-        if self.paced:  # the replies of this lane share the uplink with those to the round's other senders
-            pace_socket(sock, lane_rate(self.uplink_mbit, entry.runner.remote_senders()))
         lane = Lane(sock, entry.key, outgoing=TO_SENDER)
         try:
             await entry.runner.reduce_from_lane(lane, entry.sender_index)
@@ -208,11 +206,11 @@ class DirectLanes:
     @property
     def paced(self) -> bool:
         """Whether lanes share a declared uplink (and members send their own parts before their replies)."""
-        return self.uplink_mbit > 0
+        return self.share is not None
 
-    async def connect(self, peer: str, offer: Any, lanes: int = 1) -> Lane | None:
+    async def connect(self, peer: str, offer: Any) -> Lane | None:
         """A lane to the reducer that made `offer`, or None (remembered for RETRY_S) when none of its addresses
-        answers; paced as one of `lanes` this member sends its parts over at once."""
+        answers."""
         parsed = parse_offer(offer)
         if parsed is None:
             return None
@@ -226,8 +224,6 @@ class DirectLanes:
             except (OSError, asyncio.TimeoutError):
                 sock.close()
                 continue
-            if self.paced:
-                pace_socket(sock, lane_rate(self.uplink_mbit, lanes))
             return Lane(sock, key, outgoing=TO_REDUCER)
         self.mark_unreachable(peer)
         logger.info(f"no direct lane to {peer} ({', '.join(hosts)} port {port}): sending over libp2p")

@@ -10,7 +10,9 @@ little-endian values, received into fresh buffers and used in place; compressed 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 from hivemind.averaging.partition import AllreduceException, BannedException
@@ -72,7 +74,7 @@ class LanePartsMixin:
         if offer is None:
             self.lanes.mark_unreachable(peer)
             return None
-        return await self.lanes.connect(peer, offer, lanes=len(self.remote_reducers))
+        return await self.lanes.connect(peer, offer)
 
     async def _ban_if_silent(self, peer_id: PeerID, waited: float) -> None:
         """Ban `peer_id` as a sender to this reducer unless its parts have started to come: it answered nothing
@@ -102,6 +104,22 @@ class LanePartsMixin:
         return received
 
     async def _send_over_lane(self, lane: Lane, peer_index: int, parts: tuple[torch.Tensor, ...] | None) -> None:
+        with self._sharing_uplink(lane):
+            await self._send_parts(lane, peer_index, parts)
+
+    @contextlib.contextmanager
+    def _sharing_uplink(self, lane: Lane) -> Iterator[None]:
+        """While a run of frames goes out on `lane`, it takes its share of a declared uplink."""
+        share = self.lanes.share if self.lanes is not None else None
+        if share is not None:
+            share.start(lane.sock)
+        try:
+            yield
+        finally:
+            if share is not None:
+                share.stop(lane.sock)
+
+    async def _send_parts(self, lane: Lane, peer_index: int, parts: tuple[torch.Tensor, ...] | None) -> None:
         if parts is not None:
             for part_index, part in enumerate(parts):
                 await self._send_frame(lane, part_index, RAW_FP32, _raw_bytes(part), self.weight, self.reducer_timeout)
@@ -280,9 +298,10 @@ class LanePartsMixin:
             await asyncio.wait_for(self.own_parts.event.wait(), self.sender_timeout or TICKET_S)
         except asyncio.TimeoutError:
             logger.debug("own parts still going out after the chunk timeout: replies go now")
-        while (reply := await replies.get()) is not None:
-            index, kind, payload = reply
-            await self._send_frame(lane, index, kind, payload, 0.0, self.sender_timeout)
+        with self._sharing_uplink(lane):
+            while (reply := await replies.get()) is not None:
+                index, kind, payload = reply
+                await self._send_frame(lane, index, kind, payload, 0.0, self.sender_timeout)
 
     async def _read_lane_parts(self, lane: Lane, shapes: list[torch.Size], arrived: asyncio.Queue) -> None:
         """Read and decode a sender's parts ahead of the reduction, into READ_AHEAD + 2 rotating buffers (a part's
