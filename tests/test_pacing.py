@@ -135,3 +135,14 @@ def test_a_lost_round_or_a_member_with_nothing_to_send_holds_nothing_back() -> N
         return idle.event.is_set(), lost.event.is_set(), partial.event.is_set()
 
     assert asyncio.run(scenario()) == (True, True, False)
+
+
+def test_an_islands_declared_uplink_reaches_its_exchange(monkeypatch) -> None:
+    from p2p_diloco.config import NetworkConfig
+    from p2p_diloco.island import link
+
+    made = {}
+    monkeypatch.setattr(link, "GossipExchange", lambda dht, **options: made.update(options))
+    network = NetworkConfig(uplink_mbit=80.0)
+    link.network_exchange(None, network, None, size=16, state_provider=lambda **_: ({}, []), client_mode=False)
+    assert made["uplink_mbit"] == 80.0 and made["direct_lanes"] is True
