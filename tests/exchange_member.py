@@ -76,7 +76,7 @@ def freeze_after_ticket() -> None:
 
     from p2p_diloco.net.direct import DirectLanes
 
-    async def frozen(self, peer: str, offer, **options) -> None:
+    async def frozen(self, peer: str, offer) -> None:
         print("TICKET", flush=True)
         await asyncio.Event().wait()
 

@@ -107,8 +107,7 @@ class StrictAllReduceRunner(LanePartsMixin, AllReduceRunner):
         self._remote_senders = sum(peer != self.peer_id for peer in self.sender_peer_ids) if reduces else 0
         me, sends = self.ordered_peer_ids.index(self.peer_id), self.peer_id in self.sender_peer_ids
         parts_by_peer = self.tensor_part_container.num_parts_by_peer
-        self.remote_reducers = [i for i, n in enumerate(parts_by_peer) if n and i != me] if sends else []
-        self.own_parts = OwnPartsOut(self.remote_reducers)
+        self.own_parts = OwnPartsOut([i for i, n in enumerate(parts_by_peer) if n and i != me] if sends else [])
         self._closed_sender_streams = 0
         self._replies_sent = asyncio.Event()
         if self._remote_senders == 0:
